@@ -1,0 +1,166 @@
+"""`swarm-peer`: click commands only. Each parses flags, validates them into a config and hands it to a role.
+
+Heavy imports (torch, hivemind, lightning) happen inside the commands, so `swarm-peer --help` is instant.
+A mistake of the user's own (a bad flag, a missing data set, an unreachable peer) ends in one line that
+says what to fix, never in a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable
+
+import click
+
+from swarm.config import DATASETS, DEVICES, PRECISIONS, ConfigError, build_config
+
+
+def _fail_cleanly(func: Callable) -> Callable:
+    """Turn our own error types into one-line click errors."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except ConfigError as exc:
+            raise click.UsageError(str(exc)) from None
+        except click.ClickException:
+            raise
+        except KeyboardInterrupt:
+            click.echo("Interrupted.", err=True)
+            sys.exit(130)
+        except Exception as exc:
+            known = ("DatasetError", "SwarmConnectionError", "ModelError", "MisconfigurationException")
+            if type(exc).__name__ in known or isinstance(exc, (ValueError, FileNotFoundError, PermissionError)):
+                raise click.ClickException(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+            raise
+
+    return wrapper
+
+
+def swarm_options(func: Callable) -> Callable:
+    """Options that every role uses to find the swarm."""
+    options = [
+        click.option("--config", "config", default=None,
+                     help="YAML experiment file, or a bundled name: demo, flagship."),
+        click.option("--run-id", default=None, help="Name of the run; peers with the same run id train together."),
+        click.option("--initial-peers", multiple=True,
+                     help="Multiaddr of a running peer (repeatable). Omit to start a new swarm."),
+        click.option("--host-maddr", "host_maddrs", multiple=True,
+                     help="Listen address, e.g. /ip4/0.0.0.0/tcp/31337 (repeatable)."),
+        click.option("--announce-maddr", "announce_maddrs", multiple=True,
+                     help="Public address others dial, e.g. /ip4/<public ip>/tcp/31337 (repeatable)."),
+        click.option("--identity-path", default=None, help="Private key file; keeps the peer id stable."),
+        click.option("--client-mode", is_flag=True, default=None,
+                     help="Accept no incoming connections (Colab, Kaggle, home NAT)."),
+        click.option("--log-dir", default=None, help="Root of runs/<run_id>/... [runs]."),
+        click.option("--verbose", is_flag=True, help="Show hivemind's internal events."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def training_options(func: Callable) -> Callable:
+    """Options of a training peer."""
+    options = [
+        click.option("--dataset", type=click.Choice(DATASETS), default=None, help="cifar10 or digits (offline)."),
+        click.option("--data-dir", default=None, help="Folder holding cifar-10-batches-py."),
+        click.option("--download/--no-download", default=None, help="Download CIFAR-10 if missing."),
+        click.option("--model", "model_name", default=None, help="timm model name [vit_base_patch32_224]."),
+        click.option("--batch-size", type=int, default=None, help="Per-step batch size of this peer."),
+        click.option("--target-batch-size", type=int, default=None,
+                     help="Samples the swarm accumulates per optimizer step (global epoch)."),
+        click.option("--precision", type=click.Choice(PRECISIONS), default=None, help="Numeric precision."),
+        click.option("--device", type=click.Choice(DEVICES), default=None, help="auto, cpu or cuda."),
+        click.option("--max-epochs", type=int, default=None, help="Stop at this global epoch."),
+        click.option("--max-time", type=float, default=None, help="Stop after this many seconds."),
+        click.option("--lr", type=float, default=None, help="Peak learning rate."),
+        click.option("--seed", type=int, default=None, help="This peer's shuffling seed [random]."),
+        click.option("--peer-name", default=None, help="Name in logs and file names [host-pid]."),
+        click.option("--threads", type=int, default=None, help="torch threads (1 when peers share a machine)."),
+        click.option("--eval-every", type=int, default=None, help="Validate every N global epochs."),
+        click.option("--log-every", type=float, default=None, help="Seconds between progress lines."),
+        click.option("--matchmaking-time", type=float, default=None, help="Seconds to form an averaging group."),
+        click.option("--averaging-timeout", type=float, default=None, help="Seconds before an all-reduce is cancelled."),
+        click.option("--limit-train-samples", type=int, default=None, help="Train on the first N images only."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _config_from(params: dict[str, Any]):
+    params = dict(params)
+    config = params.pop("config", None)
+    params.pop("verbose", None)
+    for key in ("initial_peers", "host_maddrs", "announce_maddrs"):
+        params[key] = tuple(params.get(key) or ()) or None
+    return build_config(config, params)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+def main() -> None:
+    """Train a vision transformer on volunteer machines with hivemind, or on a cluster with DDP/FSDP."""
+
+
+@main.command()
+@swarm_options
+@training_options
+@_fail_cleanly
+def join(**params: Any) -> None:
+    """Join a swarm (or start one) and train until the stop condition.
+
+    Without --initial-peers this peer starts a new swarm and prints the line that others paste.
+    """
+    cfg = _config_from(params)
+    from swarm.log import setup_logging
+
+    setup_logging(params["verbose"])
+    from peer.volunteer import run_volunteer  # heavy: torch, timm, lightning, hivemind
+
+    summary = run_volunteer(cfg, config_name=params.get("config"))
+    val = summary.get("final_val") or {}
+    click.echo(f"Done: global epoch {summary['final_epoch']}, val acc "
+               f"{val.get('acc', float('nan')):.4f}, {summary['mean_samples_per_second'] or 0:.1f} samples/s")
+
+
+@main.command()
+@swarm_options
+@_fail_cleanly
+def bootstrap(**params: Any) -> None:
+    """Run a DHT-only peer that others join through; it never trains. Stop it with Ctrl-C."""
+    cfg = _config_from(params)
+    from swarm.log import setup_logging
+
+    setup_logging(params["verbose"])
+    from peer.demo import run_bootstrap
+
+    run_bootstrap(cfg, config_name=params.get("config"))
+
+
+@main.command()
+@click.option("--peers", type=click.IntRange(1, 16), default=3, show_default=True, help="Training peers.")
+@click.option("--config", "config", default="demo", show_default=True, help="Experiment for every peer.")
+@click.option("--max-epochs", type=click.IntRange(1), default=None, help="Global epochs [config's].")
+@click.option("--run-id", default=None, help="Run name [demo-<time>].")
+@click.option("--log-dir", default=None, help="Root of runs/ [runs].")
+@_fail_cleanly
+def demo(peers: int, config: str, max_epochs: int | None, run_id: str | None, log_dir: str | None) -> None:
+    """Start a bootstrap peer and N training peers on 127.0.0.1 and show them training together."""
+    import time
+
+    overrides = {"max_epochs": max_epochs, "run_id": run_id or f"demo-{time.strftime('%Y%m%d-%H%M%S')}",
+                 "log_dir": log_dir}
+    cfg = build_config(config, overrides)
+    from swarm.log import setup_logging
+
+    setup_logging()
+    from peer.demo import run_demo
+
+    sys.exit(run_demo(cfg, config, peers))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""`swarm-peer bootstrap` (a DHT-only entry point) and `swarm-peer demo` (a whole swarm on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+from swarm import metrics
+from swarm.config import ExperimentConfig
+from swarm.dht import join_command, start_dht
+from swarm.procs import GracefulStop, remove_stale_sockets, start_group, stop_group
+
+log = logging.getLogger(__name__)
+JOIN_PREFIX = "swarm-peer join --initial-peers "
+
+
+def run_bootstrap(cfg: ExperimentConfig, config_name: str | None = None) -> None:
+    """Hold the swarm's DHT open for others until SIGINT or SIGTERM; never trains."""
+    started = time.time()
+    stop = GracefulStop()
+    stop.install()
+    validators, _ = metrics.make_validators(cfg.swarm.run_id)
+    dht = None
+    try:
+        dht = start_dht(cfg.swarm, validators)
+        print(f"Bootstrap peer of run {cfg.swarm.run_id!r} is up. To join, run:\n"
+              f"  {join_command(dht, cfg.swarm.run_id, config_name)}", flush=True)
+        while not stop.event.wait(1.0):
+            pass
+    finally:
+        stop.restore()
+        if dht is not None:
+            dht.shutdown()
+        remove_stale_sockets(since=started)
+
+
+def _pump(name: str, stream: IO[str], found: dict[str, str], ready: threading.Event) -> None:
+    """Print a child's output with its name in front; remember the first join line it prints."""
+    for line in stream:
+        line = line.rstrip("\n")
+        if JOIN_PREFIX in line and "join" not in found:
+            found["join"] = line.split(JOIN_PREFIX, 1)[1].split()[0]
+            ready.set()
+        print(f"[{name:>9}] {line}", flush=True)
+    ready.set()
+
+
+def _start(name: str, cmd: list[str], threads: list[threading.Thread], found: dict[str, str],
+           ready: threading.Event) -> subprocess.Popen:
+    proc = start_group(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    thread = threading.Thread(target=_pump, args=(name, proc.stdout, found, ready), daemon=True)
+    thread.start()
+    threads.append(thread)
+    return proc
+
+
+def _summarise(cfg: ExperimentConfig, names: list[str]) -> list[dict]:
+    out = []
+    for name in names:
+        path = Path(cfg.train.log_dir) / cfg.swarm.run_id / "volunteer" / name / "summary.json"
+        if path.is_file():
+            out.append(json.loads(path.read_text()))
+    return out
+
+
+def _print_summary(cfg: ExperimentConfig, summaries: list[dict], wall: float) -> None:
+    print("\n=== demo summary ===")
+    print(f"{'peer':<10}{'global epoch':>13}{'val acc':>9}{'samples/s':>11}{'first loss':>12}{'last loss':>11}")
+    for s in summaries:
+        val = (s.get("final_val") or {}).get("acc")
+        print(f"{s['peer_name']:<10}{s['final_epoch']:>13}{(val if val is not None else float('nan')):>9.3f}"
+              f"{(s['mean_samples_per_second'] or 0):>11.1f}{(s['first_loss'] or float('nan')):>12.3f}"
+              f"{(s['last_loss'] or float('nan')):>11.3f}")
+    if summaries:
+        epochs = max(s["final_epoch"] for s in summaries)
+        histories = [h for s in summaries for h in s["history"] if h["mini_steps"]]
+        span = (max(h["time"] for h in histories) - min(h["time"] for h in histories)) if histories else 0
+        per_epoch = span / max(1, len({h["epoch"] for h in histories}) - 1)
+        swarm_sps = sum(s["mean_samples_per_second"] or 0 for s in summaries)
+        accs = [(h["epoch"], h["val_acc"]) for h in summaries[0]["history"] if "val_acc" in h]
+        print(f"global epochs: {epochs} | {per_epoch:.1f} s per global epoch | swarm {swarm_sps:.1f} samples/s "
+              f"| target batch {cfg.swarm.target_batch_size}")
+        if accs:
+            print("val acc by global epoch: " + ", ".join(f"{e}: {a:.3f}" for e, a in accs))
+    print(f"wall time {wall:.0f} s; logs and summaries under {Path(cfg.train.log_dir) / cfg.swarm.run_id}")
+
+
+def run_demo(cfg: ExperimentConfig, config_name: str, n_peers: int) -> int:
+    """Start a bootstrap and ``n_peers`` training peers on 127.0.0.1; return 0 if every peer finished cleanly."""
+    started = time.time()
+    base = [sys.executable, "-m", "peer"]
+    common = ["--config", config_name, "--run-id", cfg.swarm.run_id, "--log-dir", cfg.train.log_dir]
+    threads: list[threading.Thread] = []
+    procs: dict[str, subprocess.Popen] = {}
+    found: dict[str, str] = {}
+    ready = threading.Event()
+    interrupted = False
+    try:
+        procs["bootstrap"] = _start("bootstrap", base + ["bootstrap", *common,
+                                                         "--host-maddr", "/ip4/127.0.0.1/tcp/0"],
+                                    threads, found, ready)
+        if not ready.wait(120) or "join" not in found:
+            log.error("The bootstrap peer did not come up; see its output above")
+            return 1
+        names = [f"peer{i + 1}" for i in range(n_peers)]
+        for i, name in enumerate(names):
+            cmd = base + ["join", *common, "--initial-peers", found["join"], "--peer-name", name,
+                          "--seed", str(i + 1), "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--threads", "1"]
+            if cfg.train.max_epochs is not None:
+                cmd += ["--max-epochs", str(cfg.train.max_epochs)]
+            procs[name] = _start(name, cmd, threads, {}, threading.Event())
+        codes = {name: procs[name].wait() for name in names}
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\nCtrl-C: stopping every peer of the demo ...", flush=True)
+        codes = {}
+    finally:
+        for name, proc in reversed(list(procs.items())):
+            stop_group(proc, grace=15.0)
+        for thread in threads:
+            thread.join(timeout=5)
+        remove_stale_sockets(since=started)
+    _print_summary(cfg, _summarise(cfg, [n for n in procs if n != "bootstrap"]), time.time() - started)
+    if interrupted:
+        return 130
+    failed = {n: c for n, c in codes.items() if c != 0}
+    if failed:
+        log.error("Peers exited with errors: %s", failed)
+    return 1 if failed else 0

@@ -1,0 +1,247 @@
+"""`swarm-peer join`: train the shared LightningModule as one volunteer peer of a hivemind swarm.
+
+This is the only place that builds a hivemind.Optimizer (through HivemindStrategy). The role receives
+a resolved ExperimentConfig, starts the DHT, trains until the stop condition, and always shuts down
+what it started, also on errors, Ctrl-C and SIGTERM (what a spot instance gets before reclaim).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from swarm import metrics
+from swarm.config import ExperimentConfig, save_config
+from swarm.data import build_datasets, peer_seed, train_loader, val_loader
+from swarm.dht import join_command, start_dht
+from swarm.model import SwarmClassifier, evaluate, param_checksum
+from swarm.log import quiet_libraries
+from swarm.procs import GracefulStop, remove_stale_sockets
+from swarm.strategy import HivemindStrategy, lr_of
+
+log = logging.getLogger(__name__)
+
+
+class SwarmReporter(L.Callback):
+    """Per global epoch: publish a signed metrics record, evaluate periodically, log progress, stop."""
+
+    def __init__(self, cfg: ExperimentConfig, strategy: HivemindStrategy, public_key: bytes, peer_name: str,
+                 val_data: torch.utils.data.DataLoader, stop: GracefulStop) -> None:
+        self.cfg, self.strategy, self.public_key, self.peer_name = cfg, strategy, public_key, peer_name
+        self.val_data, self.stop = val_data, stop
+        self.history: list[dict[str, Any]] = []
+        self.checksums: dict[int, list[float]] = {}
+        self.swarm_sps: float | None = None
+        self.last_val: dict[str, Any] | None = None
+        self.start_checksum: list[float] | None = None
+        self._warned: set = set()
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        """Start a new per-epoch window: losses and wall-clock samples/s (averaging waits included)."""
+        self.losses: list[float] = []
+        self.window_samples, self.window_start = 0, time.time()
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.started = time.time()
+        self.epoch = self.strategy.local_epoch
+        self.start_checksum = param_checksum(module)
+        self.checksums[self.epoch] = self.start_checksum
+        self.initial_val = self.run_validation(module, self.epoch)
+        self.next_log = time.time() + self.cfg.train.log_every
+        self.line_samples, self.line_start = 0, time.time()
+        self._reset_window()
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any,
+                           idx: int) -> None:
+        self.window_samples += len(batch[1])
+        self.line_samples += len(batch[1])
+        if module.last_loss is not None:
+            self.losses.append(module.last_loss)
+        if self.strategy.local_epoch != self.epoch:
+            self._on_new_epoch(module)
+        if time.time() >= self.next_log:
+            self.next_log = time.time() + self.cfg.train.log_every
+            self._progress_line(module)
+        reason = self._stop_reason()
+        if reason and not trainer.should_stop:
+            log.info("%s; leaving the swarm", reason)
+            trainer.should_stop = True
+
+    def _stop_reason(self) -> str | None:
+        train = self.cfg.train
+        if self.stop.event.is_set():
+            return f"Received {self.stop.signal_name}"
+        if train.max_epochs is not None and self.strategy.local_epoch >= train.max_epochs:
+            return f"Reached global epoch {self.strategy.local_epoch} (max_epochs)"
+        if train.max_time is not None and time.time() - self.started >= train.max_time:
+            return f"Trained for {time.time() - self.started:.0f} s (max_time)"
+        return None
+
+    def _on_new_epoch(self, module: L.LightningModule) -> None:
+        epoch, self.epoch = self.strategy.local_epoch, self.strategy.local_epoch
+        self.checksums[epoch] = param_checksum(module)
+        sps = self.window_samples / max(time.time() - self.window_start, 1e-6)
+        loss = sum(self.losses) / len(self.losses) if self.losses else float("nan")
+        entry: dict[str, Any] = {"epoch": epoch, "loss": loss, "samples_per_second": sps,
+                                 "samples": self.window_samples, "mini_steps": len(self.losses), "time": time.time()}
+        val: dict[str, Any] = {}
+        if epoch % self.cfg.train.eval_every == 0 or self._stop_reason():
+            val = self.run_validation(module, epoch)
+            entry.update({f"val_{k}": v for k, v in val.items() if k != "epoch"})
+        self.history.append(entry)
+        self._publish(entry, val)
+        self._reset_window()
+
+    def run_validation(self, module: L.LightningModule, epoch: int) -> dict[str, Any]:
+        started = time.perf_counter()
+        device = next(module.parameters()).device
+        result = evaluate(module, self.val_data, device, _autocast(self.cfg))
+        self.last_val = {"epoch": epoch, **result}
+        log.info("Validation at global epoch %d: loss %.4f, acc %.4f, top-5 %.4f on %d samples (%.1f s)", epoch,
+                 result["loss"], result["acc"], result["acc_top5"], result["samples"],
+                 time.perf_counter() - started)
+        return self.last_val
+
+    def _publish(self, entry: dict[str, Any], val: dict[str, Any]) -> None:
+        from hivemind.utils import get_dht_time
+
+        record = metrics.LocalMetrics(
+            peer_name=self.peer_name[:64], global_epoch=entry["epoch"],
+            samples_per_second=float(entry["samples_per_second"]),
+            loss=float(entry["loss"]) if entry["mini_steps"] else 0.0,
+            samples_accumulated=int(entry["samples"]), mini_steps=int(entry["mini_steps"]), time=get_dht_time(),
+            val_epoch=val.get("epoch"), val_loss=val.get("loss"), val_acc=val.get("acc"),
+            val_samples=int(val.get("samples", 0)),
+        )
+        try:
+            metrics.publish(self.strategy.dht, self.cfg.swarm.run_id, self.public_key, record,
+                            self.cfg.swarm.metrics_expiration)
+            records = metrics.fetch(self.strategy.dht, self.cfg.swarm.run_id, self._warned)
+        except Exception as exc:  # metrics are best effort; training goes on
+            log.warning("Could not exchange metrics with the DHT: %s", exc)
+            return
+        fresh = [r for r in records.values() if r.global_epoch >= entry["epoch"] - 2]
+        self.swarm_sps = sum(r.samples_per_second for r in fresh) if fresh else None
+
+    def _progress_line(self, module: L.LightningModule) -> None:
+        from hivemind.utils import get_dht_time
+
+        opt = self.strategy.hivemind_opt
+        if opt is None:
+            return
+        progress = opt.tracker.global_progress
+        eta = progress.eta_next_epoch - get_dht_time()
+        eta_text = f"~{max(0.0, eta):.1f} s" if eta < 1e6 else "n/a"
+        sps = self.line_samples / max(time.time() - self.line_start, 1e-6)
+        self.line_samples, self.line_start = 0, time.time()
+        swarm = f" (swarm {self.swarm_sps:.1f})" if self.swarm_sps is not None else ""
+        recent = self.losses or [h["loss"] for h in self.history[-1:] if h["mini_steps"]]
+        loss = f"{sum(recent) / len(recent):.4f}" if recent else "n/a"
+        val = f" | val acc {self.last_val['acc']:.3f}@{self.last_val['epoch']}" if self.last_val else ""
+        log.info("epoch %d | peers %d | %.1f samples/s%s | round %d/%d samples, next in ~%.1f s | loss %s | "
+                 "lr %.2e%s", self.strategy.local_epoch, progress.num_peers, sps, swarm,
+                 progress.samples_accumulated, progress.target_batch_size, eta, loss, lr_of(opt), val)
+
+    def summary(self) -> dict[str, Any]:
+        done = [h for h in self.history if h["mini_steps"]]
+        return {
+            "peer_name": self.peer_name,
+            "run_id": self.cfg.swarm.run_id,
+            "loaded_epoch": self.strategy.loaded_epoch,
+            "start_checksum": self.start_checksum,
+            "final_epoch": self.strategy.local_epoch,
+            "checksums": {str(k): v for k, v in self.checksums.items()},
+            "history": self.history,
+            "first_loss": done[0]["loss"] if done else None,
+            "last_loss": done[-1]["loss"] if done else None,
+            "initial_val": getattr(self, "initial_val", None),
+            "final_val": self.last_val,
+            "mean_samples_per_second": (sum(h["samples_per_second"] for h in done) / len(done)) if done else None,
+            "swarm_samples_per_second": self.swarm_sps,
+            "skipped_nonfinite_steps": self.strategy.skipped_nonfinite_steps,
+            "seconds": time.time() - self.started if hasattr(self, "started") else 0.0,
+        }
+
+
+def _autocast(cfg: ExperimentConfig) -> torch.dtype | None:
+    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(cfg.train.precision)
+
+
+def resolve_device(requested: str) -> str:
+    """'auto' means CUDA when present; asking for CUDA on a machine without it is an error."""
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA GPU is visible; use --device cpu or auto")
+    return requested
+
+
+def default_peer_name() -> str:
+    return f"{socket.gethostname()[:32]}-{os.getpid()}"
+
+
+def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict[str, Any]:
+    """Join (or start) the swarm of ``cfg.swarm.run_id`` and train until the stop condition.
+
+    Returns the peer's summary (also written to runs/<run_id>/volunteer/<peer>/summary.json).
+    """
+    started = time.time()
+    quiet_libraries()
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    device = resolve_device(cfg.train.device)
+    peer_name = cfg.train.peer_name or default_peer_name()
+    out_dir = Path(cfg.train.log_dir) / cfg.swarm.run_id / "volunteer" / peer_name
+    save_config(cfg, out_dir / "config.yaml")
+
+    seed = peer_seed(cfg.data)
+    train_set, val_set = build_datasets(cfg.data, cfg.model.img_size)
+    torch.manual_seed(seed)  # augmentation randomness differs per peer too
+    module = SwarmClassifier(cfg.model, cfg.train)
+    log.info("Peer %s: %s (%.2f M parameters), %d training images, shuffling seed %d, device %s", peer_name,
+             cfg.model.model_name, sum(p.numel() for p in module.parameters()) / 1e6, len(train_set), seed, device)
+
+    stop = GracefulStop()
+    stop.install()
+    validators, public_key = metrics.make_validators(cfg.swarm.run_id)
+    dht = start_dht(cfg.swarm, validators)
+    strategy = HivemindStrategy(
+        dht=dht, run_id=cfg.swarm.run_id, target_batch_size=cfg.swarm.target_batch_size,
+        batch_size=cfg.data.batch_size, device=device, matchmaking_time=cfg.swarm.matchmaking_time,
+        averaging_timeout=cfg.swarm.averaging_timeout, average_state_every=cfg.swarm.average_state_every,
+        load_state_timeout=cfg.swarm.load_state_timeout, request_timeout=cfg.swarm.request_timeout,
+    )
+    reporter = SwarmReporter(cfg, strategy, public_key, peer_name, val_loader(val_set, cfg.data), stop)
+    try:
+        print(f"To join this swarm, run:\n  {join_command(dht, cfg.swarm.run_id, config_name)}", flush=True)
+        trainer = L.Trainer(
+            accelerator="gpu" if device.startswith("cuda") else "cpu", strategy=strategy,
+            precision=cfg.train.precision, max_epochs=-1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+            callbacks=[reporter], use_distributed_sampler=False,
+        )
+        try:
+            trainer.fit(module, train_dataloaders=train_loader(train_set, cfg.data, seed))
+        except SystemExit:
+            if not stop.event.is_set():
+                raise
+        if reporter.last_val is None or reporter.last_val["epoch"] != strategy.local_epoch:
+            if not stop.event.is_set():
+                reporter.run_validation(module, strategy.local_epoch)
+    finally:
+        stop.restore()
+        strategy.shutdown()
+        remove_stale_sockets(since=started)
+    result = reporter.summary()
+    (out_dir / "summary.json").write_text(json.dumps(result, indent=1))
+    log.info("Left the swarm at global epoch %d; summary in %s", result["final_epoch"], out_dir / "summary.json")
+    return result

@@ -1,0 +1,1 @@
+"""The library that every role shares: config, model, data, DHT, metrics, checkpoints, strategy."""

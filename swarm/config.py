@@ -1,0 +1,358 @@
+"""Typed experiment configuration: one frozen dataclass per concern, YAML files, env vars and flags.
+
+Precedence, highest first: command-line flags, ``SWARM_<FIELD>`` environment variables, the YAML file given
+with ``--config``, then the defaults below. Field names are unique across sections, so a flag, an env var
+and a YAML key all name the same thing: ``--target-batch-size``, ``SWARM_TARGET_BATCH_SIZE`` and
+``swarm: {target_batch_size: ...}``. Unknown keys are an error, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
+DEVICES = ("auto", "cpu", "cuda")
+DATASETS = ("digits", "cifar10")
+
+
+class ConfigError(ValueError):
+    """A configuration value or file is wrong; the message says which and how to fix it."""
+
+
+def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={value!r} is invalid: expected {allowed}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which timm model to build. Every peer of a swarm must use the same values."""
+
+    model_name: str = "vit_base_patch32_224"
+    """timm model name; the flagship is vit_base_patch32_224."""
+    num_classes: int = 10
+    """Number of output classes of the classification head."""
+    img_size: int = 224
+    """Input resolution; images are resized to this."""
+    patch_size: int | None = None
+    """Override the model's patch size (small ViTs on 32x32 images use 4)."""
+    embed_dim: int | None = None
+    """Override the transformer width (None keeps the timm default)."""
+    depth: int | None = None
+    """Override the number of transformer blocks."""
+    num_heads: int | None = None
+    """Override the number of attention heads; embed_dim must be divisible by it."""
+    init_seed: int = 0
+    """Seed of the initial weights. Shared by the swarm, so peers that start together start equal."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.model_name), "model_name", self.model_name, "a timm model name")
+        _check(self.num_classes >= 2, "num_classes", self.num_classes, "an integer >= 2")
+        _check(8 <= self.img_size <= 1024, "img_size", self.img_size, "an integer in [8, 1024]")
+        for name in ("patch_size", "embed_dim", "depth", "num_heads"):
+            value = getattr(self, name)
+            _check(value is None or value >= 1, name, value, "a positive integer or null")
+        if self.patch_size is not None:
+            _check(self.img_size % self.patch_size == 0, "patch_size", self.patch_size,
+                   f"a divisor of img_size={self.img_size}")
+        if self.embed_dim is not None and self.num_heads is not None:
+            _check(self.embed_dim % self.num_heads == 0, "num_heads", self.num_heads,
+                   f"a divisor of embed_dim={self.embed_dim}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the images come from and how each peer batches them."""
+
+    dataset: str = "cifar10"
+    """'cifar10' (torchvision) or 'digits' (embedded in scikit-learn, needs no network)."""
+    data_dir: str = "data"
+    """Folder that holds (or will receive) cifar-10-batches-py."""
+    download: bool = True
+    """Download CIFAR-10 if it is missing. Set false on machines without internet."""
+    batch_size: int = 64
+    """Per-step (per-peer, per-device) batch size."""
+    num_workers: int = 0
+    """DataLoader worker processes; 0 loads in the training process."""
+    augment: bool = True
+    """Random crops (and flips for CIFAR-10) on the training split."""
+    limit_train_samples: int | None = None
+    """Use only the first N training images (tests and quick rehearsals)."""
+    limit_val_samples: int | None = None
+    """Evaluate on at most N validation images."""
+    seed: int | None = None
+    """This peer's shuffling seed; None draws a fresh one, so every peer sees its own order."""
+
+    def __post_init__(self) -> None:
+        _check(self.dataset in DATASETS, "dataset", self.dataset, f"one of {', '.join(DATASETS)}")
+        _check(self.batch_size >= 1, "batch_size", self.batch_size, "an integer >= 1")
+        _check(self.num_workers >= 0, "num_workers", self.num_workers, "an integer >= 0")
+        for name in ("limit_train_samples", "limit_val_samples"):
+            value = getattr(self, name)
+            _check(value is None or value >= 1, name, value, "a positive integer or null")
+
+
+@dataclass(frozen=True)
+class SwarmConfig:
+    """How this peer finds the swarm and averages with it (hivemind settings)."""
+
+    run_id: str = "vit-cifar10"
+    """Name of the training run; peers with the same run_id train together."""
+    initial_peers: tuple[str, ...] = ()
+    """Multiaddrs of any running peers; empty starts a new swarm."""
+    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
+    """Multiaddrs to listen on; use a fixed port (e.g. /ip4/0.0.0.0/tcp/31337) on a public server."""
+    announce_maddrs: tuple[str, ...] = ()
+    """Multiaddrs that others should dial, e.g. /ip4/<public ip>/tcp/31337 behind AWS's NAT."""
+    identity_path: str | None = None
+    """Private key file; makes the peer ID (and thus the join address) stable across restarts."""
+    client_mode: bool = False
+    """Accept no incoming connections; required behind NAT (Colab, Kaggle, home routers)."""
+    target_batch_size: int = 4096
+    """Samples the whole swarm accumulates before one optimizer step (one global epoch)."""
+    matchmaking_time: float = 5.0
+    """Seconds to wait for peers to form an averaging group; must exceed request_timeout."""
+    request_timeout: float = 3.0
+    """Seconds before a single averaging request counts as lost."""
+    averaging_timeout: float = 60.0
+    """Cancel an all-reduce after this many seconds. Increase it if you often see
+    'Proceeding with local gradients'."""
+    average_state_every: int = 1
+    """Average parameters with peers every this many global epochs (keeps drifted peers in line)."""
+    load_state_timeout: float = 60.0
+    """Seconds to wait for a peer to send the swarm's state to a newcomer."""
+    bootstrap_timeout: float = 20.0
+    """Seconds to wait for the initial peers to answer before giving up with an error."""
+    metrics_expiration: float = 60.0
+    """Seconds a published metrics record stays in the DHT; a dead peer drops out after this."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.run_id) and self.run_id.replace("-", "").replace("_", "").isalnum(), "run_id",
+               self.run_id, "letters, digits, '-' and '_'")
+        _check(self.target_batch_size >= 1, "target_batch_size", self.target_batch_size, "an integer >= 1")
+        for name in ("request_timeout", "averaging_timeout", "load_state_timeout", "bootstrap_timeout",
+                     "metrics_expiration"):
+            _check(getattr(self, name) > 0, name, getattr(self, name), "a number of seconds > 0")
+        _check(self.matchmaking_time > self.request_timeout, "matchmaking_time", self.matchmaking_time,
+               f"more seconds than request_timeout={self.request_timeout} (hivemind may deadlock otherwise)")
+        _check(self.average_state_every >= 1, "average_state_every", self.average_state_every,
+               "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, stopping, devices and reporting of one peer."""
+
+    lr: float = 1e-3
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.05
+    """AdamW weight decay."""
+    warmup_epochs: int = 5
+    """Global epochs (optimizer steps) of linear warm-up."""
+    schedule_epochs: int = 1000
+    """Global epochs of the cosine decay after warm-up; the LR stays at 5% of peak afterwards."""
+    max_epochs: int | None = None
+    """Stop once the swarm reaches this global epoch."""
+    max_time: float | None = None
+    """Stop after this many seconds of training."""
+    precision: str = "32-true"
+    """'32-true', 'bf16-mixed', or '16-mixed' (CUDA only, with a gradient scaler)."""
+    device: str = "auto"
+    """'auto' (CUDA when present), 'cpu' or 'cuda'."""
+    eval_every: int = 5
+    """Evaluate on the validation split every this many global epochs."""
+    log_every: float = 5.0
+    """Seconds between progress lines."""
+    log_dir: str = "runs"
+    """Root of runs/<run_id>/<role>/... (resolved config, summaries, TensorBoard)."""
+    peer_name: str | None = None
+    """Name of this peer in logs and file names; default is derived from the host and PID."""
+    threads: int | None = None
+    """torch intra-op threads; set 1 when several peers share a small machine."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "lr", self.lr, "a number > 0")
+        _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "a number >= 0")
+        _check(self.warmup_epochs >= 0, "warmup_epochs", self.warmup_epochs, "an integer >= 0")
+        _check(self.schedule_epochs >= 1, "schedule_epochs", self.schedule_epochs, "an integer >= 1")
+        _check(self.max_epochs is None or self.max_epochs >= 1, "max_epochs", self.max_epochs,
+               "an integer >= 1 or null")
+        _check(self.max_time is None or self.max_time > 0, "max_time", self.max_time, "seconds > 0 or null")
+        _check(self.precision in PRECISIONS, "precision", self.precision, f"one of {', '.join(PRECISIONS)}")
+        _check(self.device in DEVICES, "device", self.device, f"one of {', '.join(DEVICES)}")
+        _check(self.eval_every >= 1, "eval_every", self.eval_every, "an integer >= 1")
+        _check(self.log_every > 0, "log_every", self.log_every, "seconds > 0")
+        _check(self.threads is None or self.threads >= 1, "threads", self.threads, "an integer >= 1 or null")
+        if self.precision == "16-mixed":
+            _check(self.device != "cpu", "precision", self.precision, "'bf16-mixed' or '32-true' on the CPU")
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """The whole experiment: everything a role needs, resolved and validated."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        if self.swarm.target_batch_size < self.data.batch_size:
+            raise ConfigError(
+                f"target_batch_size={self.swarm.target_batch_size} is smaller than batch_size="
+                f"{self.data.batch_size}: the swarm's target must be at least one peer's per-step batch"
+            )
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain nested dict (tuples as lists), ready for YAML or a checkpoint."""
+        out: dict[str, dict[str, Any]] = {}
+        for section in dataclasses.fields(self):
+            values = dataclasses.asdict(getattr(self, section.name))
+            out[section.name] = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+        return out
+
+
+_SECTION_TYPES = {"model": ModelConfig, "data": DataConfig, "swarm": SwarmConfig, "train": TrainConfig}
+FIELD_SECTION: dict[str, str] = {
+    f.name: section for section, cls in _SECTION_TYPES.items() for f in dataclasses.fields(cls)
+}
+
+
+def _coerce(name: str, value: Any, annotation: Any) -> Any:
+    """Convert a YAML or environment value to the field's declared type, or raise ConfigError."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if value is None:
+        if type(None) in args:
+            return None
+        raise ConfigError(f"{name} must not be null")
+    if type(None) in args:  # Optional[X]
+        inner = [a for a in args if a is not type(None)][0]
+        if isinstance(value, str) and value.lower() in ("none", "null", ""):
+            return None
+        return _coerce(name, value, inner)
+    if origin is tuple:
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"{name}={value!r} must be a list")
+        return tuple(str(v).strip() for v in items if str(v).strip())
+    try:
+        if annotation is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if annotation is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return int(value)
+        if annotation is float:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        if annotation is str:
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r} is not a valid {annotation.__name__}") from None
+    raise ConfigError(f"{name}: unsupported type {annotation}")
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def resolve_config_path(path_or_name: str) -> Path:
+    """Accept a path to a YAML file, or the name of a bundled config such as 'demo' or 'flagship'."""
+    candidate = Path(path_or_name).expanduser()
+    if candidate.is_file():
+        return candidate
+    bundled = CONFIG_DIR / f"{path_or_name}.yaml"
+    if bundled.is_file():
+        return bundled
+    names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    raise ConfigError(f"config file {path_or_name!r} not found; give a YAML path or one of: {', '.join(names)}")
+
+
+def read_yaml(path: Path) -> dict[str, dict[str, Any]]:
+    """Read a nested YAML experiment file, rejecting unknown sections and keys."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections (model, data, swarm, train)")
+    for section, values in raw.items():
+        if section not in _SECTION_TYPES:
+            raise ConfigError(f"{path}: unknown section {section!r}; expected one of {', '.join(_SECTION_TYPES)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: section {section!r} must be a mapping")
+        for key in values:
+            if FIELD_SECTION.get(key) != section:
+                raise ConfigError(f"{path}: unknown key {section}.{key}")
+    return raw
+
+
+def env_overrides(environ: typing.Mapping[str, str] | None = None) -> dict[str, str]:
+    """``SWARM_<FIELD>`` variables as flat overrides; an unknown SWARM_ variable is an error."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, str] = {}
+    for key, value in environ.items():
+        if not key.startswith("SWARM_"):
+            continue
+        name = key[len("SWARM_"):].lower()
+        if name not in FIELD_SECTION:
+            raise ConfigError(f"environment variable {key} names no config field; unset it or fix the name")
+        out[name] = value
+    return out
+
+
+def build_config(
+    config: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    environ: typing.Mapping[str, str] | None = None,
+) -> ExperimentConfig:
+    """Resolve defaults < YAML < environment < flat overrides (flags) into a validated ExperimentConfig."""
+    layered: dict[str, dict[str, Any]] = {name: {} for name in _SECTION_TYPES}
+    if config is not None:
+        for section, values in read_yaml(resolve_config_path(config)).items():
+            layered[section].update(values)
+    flat = {**env_overrides(environ), **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    for key, value in flat.items():
+        if key not in FIELD_SECTION:
+            raise ConfigError(f"unknown config field {key!r}")
+        layered[FIELD_SECTION[key]][key] = value
+    sections = {}
+    for section, cls in _SECTION_TYPES.items():
+        hints = _hints(cls)
+        values = {k: _coerce(k, v, hints[k]) for k, v in layered[section].items()}
+        sections[section] = cls(**values)
+    return ExperimentConfig(**sections)
+
+
+def save_config(cfg: ExperimentConfig, path: Path) -> None:
+    """Write the resolved config as YAML beside a run's logs."""
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def replace(cfg: ExperimentConfig, **flat: Any) -> ExperimentConfig:
+    """Return a copy with some flat fields changed (validated again)."""
+    sections = {name: getattr(cfg, name) for name in _SECTION_TYPES}
+    for key, value in flat.items():
+        section = FIELD_SECTION[key]
+        sections[section] = dataclasses.replace(sections[section], **{key: value})
+    return ExperimentConfig(**sections)

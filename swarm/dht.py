@@ -1,0 +1,109 @@
+"""The only module that creates a hivemind.DHT: addresses, identity, client mode and the join line.
+
+Every role (training peer, bootstrap, monitor) joins the swarm through :func:`start_dht`, so address
+checks, the signed-record validators and the error messages for unreachable peers live in one place.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from typing import TYPE_CHECKING, Sequence
+
+from swarm.config import SwarmConfig
+
+if TYPE_CHECKING:
+    import hivemind
+
+log = logging.getLogger(__name__)
+
+
+class SwarmConnectionError(RuntimeError):
+    """This peer could not start or reach the swarm; the message says what to check."""
+
+
+def check_multiaddrs(maddrs: Sequence[str], option: str, need_peer_id: bool = False) -> None:
+    """Raise ValueError naming ``option`` if any address is not a valid multiaddr."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    for maddr in maddrs:
+        try:
+            parsed = Multiaddr(maddr)
+        except Exception as exc:  # the multiaddr library raises several unrelated types
+            raise ValueError(
+                f"{option} {maddr!r} is not a multiaddr ({exc}); expected e.g. /ip4/1.2.3.4/tcp/31337"
+                + ("/p2p/Qm..." if need_peer_id else "")
+            ) from None
+        if need_peer_id and "p2p" not in [p.name for p in parsed.protocols()]:
+            raise ValueError(
+                f"{option} {maddr!r} lacks the /p2p/<peer id> part; copy the whole line that the first peer printed"
+            )
+
+
+def start_dht(cfg: SwarmConfig, record_validators: Sequence = ()) -> "hivemind.DHT":
+    """Start this process's DHT node (and its p2p daemon) and connect it to ``cfg.initial_peers``.
+
+    Raises SwarmConnectionError with advice when the initial peers cannot be reached within
+    ``cfg.bootstrap_timeout`` seconds. Call ``dht.shutdown()`` when done; it stops the daemon too.
+    """
+    import hivemind
+
+    check_multiaddrs(cfg.initial_peers, "--initial-peers", need_peer_id=True)
+    check_multiaddrs(cfg.host_maddrs, "--host-maddr")
+    check_multiaddrs(cfg.announce_maddrs, "--announce-maddr")
+    kwargs = dict(
+        initial_peers=list(cfg.initial_peers),
+        host_maddrs=list(cfg.host_maddrs),
+        client_mode=cfg.client_mode,
+        record_validators=list(record_validators),
+        identity_path=cfg.identity_path,
+        startup_timeout=cfg.bootstrap_timeout,
+        bootstrap_timeout=cfg.bootstrap_timeout,
+        wait_timeout=min(cfg.bootstrap_timeout, 5.0),
+        ensure_bootstrap_success=True,
+        start=True,
+    )
+    if cfg.announce_maddrs:
+        kwargs["announce_maddrs"] = list(cfg.announce_maddrs)
+    try:
+        return hivemind.DHT(**kwargs)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if cfg.initial_peers:
+            raise SwarmConnectionError(
+                f"could not reach the initial peers {', '.join(cfg.initial_peers)} ({first}). Check the address "
+                "and port, that the first peer is still running, that its firewall/security group allows the "
+                "TCP port, and use --client-mode if this machine is behind NAT"
+            ) from None
+        raise SwarmConnectionError(
+            f"could not start the p2p node on {', '.join(cfg.host_maddrs)} ({first}). Check that the port is "
+            "free and the identity file is readable"
+        ) from None
+
+
+def visible_maddrs(dht: "hivemind.DHT", allow_loopback: bool | None = None) -> list[str]:
+    """Addresses that other peers can dial; loopback ones only if nothing else is announced."""
+    addrs = [str(a) for a in dht.get_visible_maddrs()]
+
+    def is_loopback(maddr: str) -> bool:
+        parts = maddr.split("/")
+        try:
+            return ipaddress.ip_address(parts[2]).is_loopback
+        except (IndexError, ValueError):
+            return False
+
+    public = [a for a in addrs if not is_loopback(a)]
+    if allow_loopback or not public:
+        return addrs
+    return public
+
+
+def join_command(dht: "hivemind.DHT", run_id: str | None = None, config: str | None = None) -> str:
+    """The exact line a new peer pastes to join this swarm."""
+    addrs = [a for a in visible_maddrs(dht) if "/tcp/" in a] or visible_maddrs(dht)
+    line = "swarm-peer join" + "".join(f" --initial-peers {a}" for a in addrs[:1])
+    if config:
+        line += f" --config {config}"
+    if run_id:
+        line += f" --run-id {run_id}"
+    return line

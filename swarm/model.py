@@ -1,0 +1,154 @@
+"""The model: the only module that calls timm, and the LightningModule shared by every way of training.
+
+``SwarmClassifier`` is the same object under ``swarm-peer join`` (with HivemindStrategy) and under
+``swarm-peer local`` (with Lightning's DDP or FSDP), so both write the same metric tags.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+import timm
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swarm.config import ModelConfig, TrainConfig
+from swarm.metrics import TRAIN_LOSS, VAL_ACC, VAL_ACC_TOP5, VAL_LOSS
+
+
+class ModelError(ValueError):
+    """The model cannot be built with these settings; the message says why."""
+
+
+def create_model(cfg: ModelConfig) -> nn.Module:
+    """Build the timm model from ``cfg`` with random weights seeded by ``cfg.init_seed``.
+
+    Pretrained weights are never downloaded: every peer of a swarm must start from the same
+    initialisation, and ``init_seed`` guarantees that without any network access.
+    """
+    kwargs: dict[str, Any] = {"num_classes": cfg.num_classes, "img_size": cfg.img_size}
+    for name in ("patch_size", "embed_dim", "depth", "num_heads"):
+        if getattr(cfg, name) is not None:
+            kwargs[name] = getattr(cfg, name)
+    if not timm.is_model(cfg.model_name):
+        raise ModelError(
+            f"timm has no model named {cfg.model_name!r}; list them with "
+            f"python -c \"import timm; print(timm.list_models('vit*'))\""
+        )
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(cfg.init_seed)
+        return timm.create_model(cfg.model_name, pretrained=False, **kwargs)
+    except TypeError as exc:
+        raise ModelError(f"{cfg.model_name} does not accept these options ({exc})") from None
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def lr_lambda(warmup_epochs: int, schedule_epochs: int, floor: float = 0.05):
+    """Linear warm-up then cosine decay to ``floor`` of the peak, as a function of the optimizer step."""
+
+    def factor(step: int) -> float:
+        if step < warmup_epochs:
+            return (step + 1) / (warmup_epochs + 1)
+        progress = min(1.0, (step - warmup_epochs) / max(1, schedule_epochs))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def accuracy_counts(logits: torch.Tensor, target: torch.Tensor) -> tuple[int, int]:
+    """Return (top-1 correct, top-5 correct) for a batch."""
+    k = min(5, logits.shape[-1])
+    topk = logits.topk(k, dim=-1).indices
+    hits = topk.eq(target.unsqueeze(-1))
+    return int(hits[:, 0].sum()), int(hits.any(dim=-1).sum())
+
+
+class SwarmClassifier(L.LightningModule):
+    """Image classifier with cross-entropy loss, AdamW and a warm-up + cosine schedule.
+
+    The schedule advances once per optimizer step. Under HivemindStrategy one optimizer step is one
+    global epoch of the swarm, so the learning rate follows the swarm's progress, not the local step.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
+        super().__init__()
+        self.model_cfg, self.train_cfg = model_cfg, train_cfg
+        self.net = create_model(model_cfg)
+        self.last_loss: float | None = None
+        self._val_sums = torch.zeros(4, dtype=torch.float64)  # loss*n, correct, correct_top5, n
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.net(images)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        images, target = batch
+        loss = F.cross_entropy(self(images), target)
+        self.last_loss = float(loss.detach())
+        self.log(TRAIN_LOSS, loss, prog_bar=True, batch_size=len(target))
+        return loss
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = torch.zeros(4, dtype=torch.float64, device=self.device)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        images, target = batch
+        logits = self(images)
+        loss = F.cross_entropy(logits, target, reduction="sum")
+        top1, top5 = accuracy_counts(logits, target)
+        self._val_sums += torch.tensor([float(loss), top1, top5, len(target)], dtype=torch.float64,
+                                       device=self.device)
+
+    def on_validation_epoch_end(self) -> None:
+        sums = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum")
+        n = max(float(sums[3]), 1.0)
+        for tag, value in ((VAL_LOSS, sums[0] / n), (VAL_ACC, sums[1] / n), (VAL_ACC_TOP5, sums[2] / n)):
+            self.log(tag, float(value), rank_zero_only=True)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        decay = [p for p in self.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.parameters() if p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.train_cfg.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.train_cfg.lr,
+        )
+        schedule = lr_lambda(self.train_cfg.warmup_epochs, self.train_cfg.schedule_epochs)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+@torch.no_grad()
+def evaluate(module: nn.Module, loader: torch.utils.data.DataLoader, device: torch.device,
+             autocast_dtype: torch.dtype | None = None) -> dict[str, float]:
+    """Evaluate ``module`` on every batch of ``loader``; returns loss, acc, acc_top5 and samples."""
+    was_training = module.training
+    module.eval()
+    total_loss, correct, correct5, n = 0.0, 0, 0, 0
+    try:
+        for images, target in loader:
+            images, target = images.to(device), target.to(device)
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                logits = module(images)
+            total_loss += float(F.cross_entropy(logits.float(), target, reduction="sum"))
+            top1, top5 = accuracy_counts(logits, target)
+            correct, correct5, n = correct + top1, correct5 + top5, n + len(target)
+    finally:
+        module.train(was_training)
+    n_safe = max(n, 1)
+    return {"loss": total_loss / n_safe, "acc": correct / n_safe, "acc_top5": correct5 / n_safe, "samples": n}
+
+
+def param_checksum(module: nn.Module) -> list[float]:
+    """Two float64 sums over all parameters (plain and squared): equal parameters give equal sums."""
+    total, squares = 0.0, 0.0
+    with torch.no_grad():
+        for p in module.parameters():
+            d = p.detach().double()
+            total += float(d.sum())
+            squares += float((d * d).sum())
+    return [total, squares]

@@ -1,0 +1,235 @@
+"""HivemindStrategy: a Lightning strategy that trains one process as a peer of a hivemind swarm.
+
+Usage from any Lightning script::
+
+    dht = swarm.dht.start_dht(SwarmConfig(initial_peers=(...,)))
+    trainer = L.Trainer(strategy=HivemindStrategy(dht=dht, run_id="my-run", target_batch_size=4096,
+                                                  batch_size=64), max_epochs=-1)
+    trainer.fit(module, loader)
+
+The strategy wraps the module's single optimizer in ``hivemind.Optimizer``. Every local step adds its
+gradients to the swarm's accumulator; once the swarm has ``target_batch_size`` samples, peers average
+their gradients and take one optimizer step together (one *global epoch*). Learning-rate schedulers
+from ``configure_optimizers`` advance with the global epoch, not with the local step. The strategy owns
+the DHT it is given: teardown (also after an error or Ctrl-C) shuts down the optimizer, then the DHT.
+
+AMP: ``precision="bf16-mixed"`` needs no scaler. ``precision="16-mixed"`` (CUDA) uses Lightning's standard
+GradScaler, which unscales each local step's gradients before hivemind accumulates them and skips steps
+whose gradients overflowed; hivemind documents this as the right scaler when ``reuse_grad_buffers`` is off,
+which is how this strategy runs. Non-finite gradients are never sent to the swarm: the step is skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+if TYPE_CHECKING:
+    import hivemind
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+
+class GlobalEpochScheduler:
+    """Wraps an LR scheduler so that it advances to the optimizer's global epoch and never beyond.
+
+    Lightning calls ``step()`` after every local step; this wrapper steps the real scheduler only when
+    hivemind has moved to a new global epoch (several times at once after loading state from peers).
+    """
+
+    def __init__(self, optimizer: "hivemind.Optimizer", scheduler: Any) -> None:
+        self.__dict__.update({k: v for k, v in scheduler.__dict__.items() if k not in ("step", "__del__")})
+        self.optimizer, self.scheduler = optimizer, scheduler
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        while self.scheduler.last_epoch < self.optimizer.local_epoch:
+            self.scheduler.step()
+
+    def state_dict(self) -> dict:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+
+def grads_are_finite(module: torch.nn.Module) -> bool:
+    """True if every gradient of ``module`` is finite (no NaN or Inf)."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    if not grads:
+        return True
+    return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+
+
+class HivemindStrategy(SingleDeviceStrategy):
+    """Train as one peer of a hivemind swarm. See the module docstring for behaviour and usage.
+
+    Args:
+        dht: a started ``hivemind.DHT`` (from ``swarm.dht.start_dht``); the strategy shuts it down.
+        run_id: name of the run; all peers with this run_id average with each other.
+        target_batch_size: samples the swarm accumulates per global epoch (optimizer step).
+        batch_size: this peer's per-step batch size.
+        device: torch device for the model ('cpu', 'cuda', 'cuda:1').
+        matchmaking_time: seconds to gather an averaging group; keep it above ``request_timeout``.
+        averaging_timeout: cancel an all-reduce after this many seconds. Increase it if you see
+            'Proceeding with local gradients' in more than a quarter of the steps.
+        average_state_every: average parameters every this many global epochs.
+        load_state_timeout: seconds to wait for the swarm's state when (re)joining.
+        request_timeout: seconds before one averaging request counts as lost.
+        load_state_on_start: download the swarm's newest state before the first step.
+        verbose: let hivemind log its internal events at INFO level.
+        optimizer_kwargs: passed on to ``hivemind.Optimizer``.
+    """
+
+    strategy_name = "hivemind"
+
+    def __init__(
+        self,
+        *,
+        dht: "hivemind.DHT",
+        run_id: str,
+        target_batch_size: int,
+        batch_size: int,
+        device: str | torch.device = "cpu",
+        matchmaking_time: float = 5.0,
+        averaging_timeout: float = 60.0,
+        average_state_every: int = 1,
+        load_state_timeout: float = 60.0,
+        request_timeout: float = 3.0,
+        load_state_on_start: bool = True,
+        verbose: bool = False,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        super().__init__(device=device)
+        self.dht, self.run_id = dht, run_id
+        self.target_batch_size, self.batch_size = target_batch_size, batch_size
+        self.load_state_on_start = load_state_on_start
+        self.hivemind_opt: "hivemind.Optimizer | None" = None
+        self.skipped_nonfinite_steps = 0
+        self.loaded_epoch: int | None = None
+        self._optimizer_kwargs = dict(
+            matchmaking_time=matchmaking_time,
+            averaging_timeout=averaging_timeout,
+            average_state_every=average_state_every,
+            load_state_timeout=load_state_timeout,
+            delay_state_averaging=False,
+            averager_opts={"request_timeout": request_timeout},
+            verbose=verbose,
+            **optimizer_kwargs,
+        )
+        self._shut_down = False
+
+    # ---- properties that roles and callbacks read -------------------------------------------------
+    @property
+    def local_epoch(self) -> int:
+        """This peer's global epoch (number of swarm optimizer steps it has taken part in)."""
+        return self.hivemind_opt.local_epoch if self.hivemind_opt is not None else 0
+
+    @property
+    def num_peers(self) -> int:
+        """Peers currently reporting progress for this run, this one included."""
+        if self.hivemind_opt is None:
+            return 1
+        return self.hivemind_opt.tracker.global_progress.num_peers
+
+    # ---- Lightning hooks --------------------------------------------------------------------------
+    def setup(self, trainer: "pl.Trainer") -> None:
+        super().setup(trainer)
+        if trainer.state.fn == "fit":
+            self._wrap_optimizer()
+
+    def _wrap_optimizer(self) -> None:
+        import hivemind
+
+        if len(self.optimizers) != 1:
+            raise MisconfigurationException(f"HivemindStrategy needs exactly one optimizer, got {len(self.optimizers)}")
+        self.hivemind_opt = hivemind.Optimizer(
+            dht=self.dht,
+            run_id=self.run_id,
+            optimizer=self.optimizers[0],
+            target_batch_size=self.target_batch_size,
+            batch_size_per_step=self.batch_size,
+            **self._optimizer_kwargs,
+        )
+        for config in self.lr_scheduler_configs:
+            if isinstance(config.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                raise MisconfigurationException("ReduceLROnPlateau is not supported by HivemindStrategy")
+            config.scheduler = GlobalEpochScheduler(self.hivemind_opt, config.scheduler)  # type: ignore[assignment]
+        self.optimizers = [self.hivemind_opt]
+        if self.load_state_on_start:
+            self.load_state_from_peers()
+
+    def load_state_from_peers(self) -> None:
+        """Download the newest parameters and optimizer state from the swarm (no-op if alone)."""
+        assert self.hivemind_opt is not None
+        before = self.hivemind_opt.local_epoch
+        self.hivemind_opt.load_state_from_peers()
+        self.loaded_epoch = self.hivemind_opt.local_epoch
+        if self.loaded_epoch != before or self.hivemind_opt.tracker.global_progress.num_peers > 1:
+            log.info("Loaded the swarm's state from peers: global epoch %d", self.loaded_epoch)
+        else:
+            log.info("No peer had newer state; starting from this peer's initial parameters")
+        for config in self.lr_scheduler_configs:
+            config.scheduler.step()
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        plugin = self.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)  # the scaler skips inf steps
+        result = closure()
+        module = model if isinstance(model, torch.nn.Module) else self.lightning_module
+        if not grads_are_finite(module):
+            self.skipped_nonfinite_steps += 1
+            log.warning("Skipping a step with non-finite gradients (%d so far); nothing was sent to the swarm",
+                        self.skipped_nonfinite_steps)
+            module.zero_grad(set_to_none=True)
+            return result
+        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+
+    def finalize(self) -> None:
+        """Wait for background averaging so that the parameters are final (call before saving)."""
+        if self.hivemind_opt is not None and not self._shut_down:
+            self.hivemind_opt.state_averager.step(wait_for_delayed_updates=True)
+
+    def shutdown(self) -> None:
+        """Stop the hivemind optimizer (its averagers) and the DHT with its p2p daemon. Idempotent."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        try:
+            if self.hivemind_opt is not None:
+                try:
+                    self.finalize_quietly()
+                finally:
+                    self.hivemind_opt.shutdown()
+        finally:
+            log.info("Shutting down the DHT and p2p daemon")
+            self.dht.shutdown()
+
+    def finalize_quietly(self) -> None:
+        try:
+            assert self.hivemind_opt is not None
+            self.hivemind_opt.state_averager.step(wait_for_delayed_updates=True)
+        except Exception as exc:  # shutting down anyway; say what happened, do not mask the original error
+            log.warning("Could not finish background averaging before shutdown: %s", exc)
+
+    def teardown(self) -> None:
+        self.shutdown()
+        super().teardown()
+
+
+def lr_of(optimizer: Any) -> float:
+    """Current learning rate of the first parameter group (NaN if unknown)."""
+    try:
+        return float(optimizer.param_groups[0]["lr"])
+    except (AttributeError, IndexError, KeyError):
+        return math.nan

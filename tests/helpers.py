@@ -1,0 +1,80 @@
+"""Helpers for tests that start real `swarm-peer` processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from swarm.procs import start_group, stop_group
+
+JOIN_RE = re.compile(r"swarm-peer join --initial-peers (\S+)")
+
+
+class PeerProcess:
+    """A `python -m peer ...` process in its own process group, with its output collected line by line."""
+
+    def __init__(self, name: str, args: list[str], registry: list["PeerProcess"]) -> None:
+        self.name, self.args = name, args
+        self.lines: list[str] = []
+        self.proc = start_group([sys.executable, "-m", "peer", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+        registry.append(self)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def pgid(self) -> int:
+        return self.proc.pid
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        """Wait until a line matches ``pattern``; fail with the process's output otherwise."""
+        regex = re.compile(pattern)
+        deadline = time.time() + timeout
+        seen = 0
+        while time.time() < deadline:
+            for line in self.lines[seen:]:
+                match = regex.search(line)
+                if match:
+                    return match
+            seen = max(0, len(self.lines) - 1)
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.2)
+        raise AssertionError(f"{self.name}: no line matching {pattern!r} within {timeout}s; output:\n"
+                             + self.output()[-6000:])
+
+    def join_address(self, timeout: float = 120) -> str:
+        return self.wait_for(JOIN_RE.pattern, timeout).group(1)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name} did not finish within {timeout}s; output:\n"
+                                 + self.output()[-6000:]) from None
+
+    def stop(self, grace: float = 15.0) -> int | None:
+        code = stop_group(self.proc, grace=grace)
+        self._reader.join(timeout=5)
+        return code
+
+
+def read_summary(log_dir: Path, run_id: str, peer_name: str) -> dict:
+    return json.loads((log_dir / run_id / "volunteer" / peer_name / "summary.json").read_text())
+
+
+def port_of(maddr: str) -> int:
+    return int(maddr.split("/tcp/")[1].split("/")[0])

@@ -1,0 +1,94 @@
+"""The multi-peer localhost test: a bootstrap and real `swarm-peer join` processes train together on 127.0.0.1.
+
+Small ViT on the embedded digits set, through the real CLI, with real hivemind DHTs and p2p daemons.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import time
+
+from swarm.procs import group_members
+from tests.helpers import PeerProcess, port_of, read_summary
+
+RUN_ID = "pytest-swarm"
+MAX_EPOCHS = 12
+
+
+def _close(a: list[float], b: list[float], rel: float = 1e-6) -> bool:
+    return all(math.isclose(x, y, rel_tol=rel, abs_tol=rel) for x, y in zip(a, b))
+
+
+def _port_closed(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_peers_train_together(peers, tmp_path):
+    common = ["--config", "demo", "--run-id", RUN_ID, "--log-dir", str(tmp_path),
+              "--host-maddr", "/ip4/127.0.0.1/tcp/0"]
+    boot = PeerProcess("bootstrap", ["bootstrap", *common], peers)
+    address = boot.join_address(timeout=120)
+    ports = [port_of(address)]
+
+    def start_peer(i: int) -> PeerProcess:
+        return PeerProcess(f"peer{i}", ["join", *common, "--initial-peers", address, "--peer-name", f"peer{i}",
+                                        "--seed", str(i), "--max-epochs", str(MAX_EPOCHS), "--log-every", "1",
+                                        "--eval-every", "4", "--threads", "1"], peers)
+
+    trainers = [start_peer(i) for i in (1, 2, 3)]
+    for p in trainers:
+        ports.append(port_of(p.join_address(timeout=120)))
+    # the late joiner arrives once the swarm has made progress
+    trainers[0].wait_for(r"\| epoch ([3-9]|1\d) \|", timeout=240)
+    late = start_peer(4)
+    ports.append(port_of(late.join_address(timeout=120)))
+
+    for p in trainers + [late]:
+        assert p.wait(timeout=400) == 0, f"{p.name} failed:\n{p.output()[-4000:]}"
+    summaries = {p.name: read_summary(tmp_path, RUN_ID, p.name) for p in trainers + [late]}
+
+    # every peer reached global epoch >= 3
+    for name, s in summaries.items():
+        assert s["final_epoch"] >= 3, (name, s["final_epoch"])
+
+    # averaging really happened: peers that ended at the same epoch hold the same parameters
+    final = max(s["final_epoch"] for s in summaries.values())
+    in_sync = [s for s in summaries.values() if s["final_epoch"] == final]
+    assert len(in_sync) >= 3, {n: s["final_epoch"] for n, s in summaries.items()}
+    reference = in_sync[0]["checksums"][str(final)]
+    for s in in_sync[1:]:
+        assert _close(s["checksums"][str(final)], reference), (s["peer_name"], s["checksums"][str(final)], reference)
+    # ...and at every epoch that two peers both recorded
+    first = summaries["peer1"]["checksums"]
+    shared = [e for e in summaries["peer2"]["checksums"] if e in first and int(e) >= 1]
+    assert shared and all(_close(summaries["peer2"]["checksums"][e], first[e]) for e in shared)
+
+    # the loss fell: training loss over the last epochs is below the first epochs, and val loss fell
+    history = sorted((h["epoch"], h["loss"]) for s in summaries.values() for h in s["history"] if h["mini_steps"])
+    early = [loss for epoch, loss in history if epoch <= 3]
+    late_losses = [loss for epoch, loss in history if epoch > final - 3]
+    assert sum(late_losses) / len(late_losses) < sum(early) / len(early), history
+    p1 = summaries["peer1"]
+    assert p1["final_val"]["loss"] < p1["initial_val"]["loss"], (p1["initial_val"], p1["final_val"])
+
+    # the late joiner started from the swarm's parameters, not from its own initialisation
+    s4 = summaries["peer4"]
+    loaded = s4["loaded_epoch"]
+    assert loaded is not None and loaded >= 3, loaded
+    swarm_at_load = [s["checksums"][str(e)] for s in summaries.values() if s is not s4
+                     for e in (loaded, loaded - 1) if str(e) in s["checksums"]]
+    assert any(_close(s4["start_checksum"], c) for c in swarm_at_load), (s4["start_checksum"], swarm_at_load)
+    inits = [s["checksums"]["0"] for s in summaries.values() if "0" in s["checksums"] and s is not s4]
+    assert inits and not any(_close(s4["start_checksum"], c) for c in inits), "the late peer kept its init"
+
+    # nothing is left behind once the peers are done
+    code = boot.stop(grace=15)
+    assert code == 0, boot.output()[-3000:]
+    deadline = time.time() + 10
+    while time.time() < deadline and any(group_members(p.pgid) for p in peers):
+        time.sleep(0.2)
+    assert not any(group_members(p.pgid) for p in peers)
+    assert all(_port_closed(port) for port in ports), ports

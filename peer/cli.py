@@ -39,6 +39,16 @@ def _fail_cleanly(func: Callable) -> Callable:
     return wrapper
 
 
+def _exit_quietly(code: int = 0) -> None:
+    """Leave without running interpreter teardown: everything is shut down and saved by now, and hivemind's
+    futures would otherwise print 'Event loop is closed' noise while Python garbage-collects them."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def swarm_options(func: Callable) -> Callable:
     """Options that every role uses to find the swarm."""
     options = [
@@ -122,8 +132,9 @@ def join(**params: Any) -> None:
 
     summary = run_volunteer(cfg, config_name=params.get("config"))
     val = summary.get("final_val") or {}
-    click.echo(f"Done: global epoch {summary['final_epoch']}, val acc "
-               f"{val.get('acc', float('nan')):.4f}, {summary['mean_samples_per_second'] or 0:.1f} samples/s")
+    click.echo(f"Done: global epoch {summary['final_epoch']}, val acc {val.get('acc', float('nan')):.4f}, "
+               f"{summary.get('mean_samples_per_second') or 0:.1f} samples/s")
+    _exit_quietly()
 
 
 @main.command()
@@ -138,6 +149,7 @@ def bootstrap(**params: Any) -> None:
     from peer.demo import run_bootstrap
 
     run_bootstrap(cfg, config_name=params.get("config"))
+    _exit_quietly()
 
 
 @main.command()

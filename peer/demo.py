@@ -13,7 +13,7 @@ from typing import IO
 
 from swarm import metrics
 from swarm.config import ExperimentConfig
-from swarm.dht import join_command, start_dht
+from swarm.dht import join_command, start_dht, stop_dht
 from swarm.procs import GracefulStop, remove_stale_sockets, start_group, stop_group
 
 log = logging.getLogger(__name__)
@@ -36,8 +36,8 @@ def run_bootstrap(cfg: ExperimentConfig, config_name: str | None = None) -> None
     finally:
         stop.restore()
         if dht is not None:
-            dht.shutdown()
-        remove_stale_sockets(since=started)
+            stop_dht(dht)
+        remove_stale_sockets(since=started, exclude_own=True)
 
 
 def _pump(name: str, stream: IO[str], found: dict[str, str], ready: threading.Event) -> None:

@@ -21,7 +21,7 @@ import torch
 from swarm import metrics
 from swarm.config import ExperimentConfig, save_config
 from swarm.data import build_datasets, peer_seed, train_loader, val_loader
-from swarm.dht import join_command, start_dht
+from swarm.dht import check_addresses, join_command, start_dht, stop_dht
 from swarm.model import SwarmClassifier, evaluate, param_checksum
 from swarm.log import quiet_libraries
 from swarm.procs import GracefulStop, remove_stale_sockets
@@ -51,6 +51,7 @@ class SwarmReporter(L.Callback):
         self.window_samples, self.window_start = 0, time.time()
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.stop.install()  # Lightning wraps SIGTERM for its own use; this role decides how to stop
         self.started = time.time()
         self.epoch = self.strategy.local_epoch
         self.start_checksum = param_checksum(module)
@@ -59,6 +60,12 @@ class SwarmReporter(L.Callback):
         self.next_log = time.time() + self.cfg.train.log_every
         self.line_samples, self.line_start = 0, time.time()
         self._reset_window()
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.stop.disarm()  # teardown follows: an interrupt must not cut it short
+
+    def on_exception(self, trainer: L.Trainer, module: L.LightningModule, exception: BaseException) -> None:
+        self.stop.disarm()
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any,
                            idx: int) -> None:
@@ -94,6 +101,9 @@ class SwarmReporter(L.Callback):
         entry: dict[str, Any] = {"epoch": epoch, "loss": loss, "samples_per_second": sps,
                                  "samples": self.window_samples, "mini_steps": len(self.losses), "time": time.time()}
         val: dict[str, Any] = {}
+        if self.stop.event.is_set():  # leaving on a signal: no evaluation, no DHT traffic, just go
+            self.history.append(entry)
+            return
         if epoch % self.cfg.train.eval_every == 0 or self._stop_reason():
             val = self.run_validation(module, epoch)
             entry.update({f"val_{k}": v for k, v in val.items() if k != "epoch"})
@@ -147,9 +157,9 @@ class SwarmReporter(L.Callback):
         recent = self.losses or [h["loss"] for h in self.history[-1:] if h["mini_steps"]]
         loss = f"{sum(recent) / len(recent):.4f}" if recent else "n/a"
         val = f" | val acc {self.last_val['acc']:.3f}@{self.last_val['epoch']}" if self.last_val else ""
-        log.info("epoch %d | peers %d | %.1f samples/s%s | round %d/%d samples, next in ~%.1f s | loss %s | "
-                 "lr %.2e%s", self.strategy.local_epoch, progress.num_peers, sps, swarm,
-                 progress.samples_accumulated, progress.target_batch_size, eta, loss, lr_of(opt), val)
+        log.info("epoch %d | peers %d | %.1f samples/s%s | round %d/%d samples, next in %s | loss %s | "
+                 "lr %.2e%s", self.strategy.local_epoch, max(1, progress.num_peers), sps, swarm,
+                 progress.samples_accumulated, progress.target_batch_size, eta_text, loss, lr_of(opt), val)
 
     def summary(self) -> dict[str, Any]:
         done = [h for h in self.history if h["mini_steps"]]
@@ -189,13 +199,34 @@ def default_peer_name() -> str:
     return f"{socket.gethostname()[:32]}-{os.getpid()}"
 
 
+def _fit(cfg: ExperimentConfig, strategy: HivemindStrategy, reporter: SwarmReporter, module: SwarmClassifier,
+         loader: torch.utils.data.DataLoader) -> None:
+    """Run Lightning's fit loop under the hivemind strategy; a requested stop is not an error."""
+    device = str(strategy.root_device)
+    trainer = L.Trainer(
+        accelerator="gpu" if device.startswith("cuda") else "cpu", strategy=strategy,
+        precision=cfg.train.precision, max_epochs=-1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        callbacks=[reporter], use_distributed_sampler=False,
+    )
+    try:
+        trainer.fit(module, train_dataloaders=loader)
+    except SystemExit:  # Lightning exits after an interrupt it handled; fine if we asked to stop
+        if not reporter.stop.event.is_set():
+            raise
+    if not reporter.stop.event.is_set() and (reporter.last_val or {}).get("epoch") != strategy.local_epoch:
+        reporter.run_validation(module, strategy.local_epoch)
+
+
 def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict[str, Any]:
     """Join (or start) the swarm of ``cfg.swarm.run_id`` and train until the stop condition.
 
     Returns the peer's summary (also written to runs/<run_id>/volunteer/<peer>/summary.json).
+    SIGINT or SIGTERM make the peer leave after the current step (within a few seconds) and return normally.
     """
     started = time.time()
     quiet_libraries()
+    check_addresses(cfg.swarm)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = resolve_device(cfg.train.device)
@@ -210,38 +241,32 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
     log.info("Peer %s: %s (%.2f M parameters), %d training images, shuffling seed %d, device %s", peer_name,
              cfg.model.model_name, sum(p.numel() for p in module.parameters()) / 1e6, len(train_set), seed, device)
 
-    stop = GracefulStop()
+    stop, dht, strategy, reporter = GracefulStop(), None, None, None
     stop.install()
-    validators, public_key = metrics.make_validators(cfg.swarm.run_id)
-    dht = start_dht(cfg.swarm, validators)
-    strategy = HivemindStrategy(
-        dht=dht, run_id=cfg.swarm.run_id, target_batch_size=cfg.swarm.target_batch_size,
-        batch_size=cfg.data.batch_size, device=device, matchmaking_time=cfg.swarm.matchmaking_time,
-        averaging_timeout=cfg.swarm.averaging_timeout, average_state_every=cfg.swarm.average_state_every,
-        load_state_timeout=cfg.swarm.load_state_timeout, request_timeout=cfg.swarm.request_timeout,
-    )
-    reporter = SwarmReporter(cfg, strategy, public_key, peer_name, val_loader(val_set, cfg.data), stop)
     try:
-        print(f"To join this swarm, run:\n  {join_command(dht, cfg.swarm.run_id, config_name)}", flush=True)
-        trainer = L.Trainer(
-            accelerator="gpu" if device.startswith("cuda") else "cpu", strategy=strategy,
-            precision=cfg.train.precision, max_epochs=-1, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-            callbacks=[reporter], use_distributed_sampler=False,
+        validators, public_key = metrics.make_validators(cfg.swarm.run_id)
+        dht = start_dht(cfg.swarm, validators)
+        strategy = HivemindStrategy(
+            dht=dht, run_id=cfg.swarm.run_id, target_batch_size=cfg.swarm.target_batch_size,
+            batch_size=cfg.data.batch_size, device=device, matchmaking_time=cfg.swarm.matchmaking_time,
+            averaging_timeout=cfg.swarm.averaging_timeout, average_state_every=cfg.swarm.average_state_every,
+            load_state_timeout=cfg.swarm.load_state_timeout, request_timeout=cfg.swarm.request_timeout,
         )
-        try:
-            trainer.fit(module, train_dataloaders=train_loader(train_set, cfg.data, seed))
-        except SystemExit:
-            if not stop.event.is_set():
-                raise
-        if reporter.last_val is None or reporter.last_val["epoch"] != strategy.local_epoch:
-            if not stop.event.is_set():
-                reporter.run_validation(module, strategy.local_epoch)
+        reporter = SwarmReporter(cfg, strategy, public_key, peer_name, val_loader(val_set, cfg.data), stop)
+        print(f"To join this swarm, run:\n  {join_command(dht, cfg.swarm.run_id, config_name)}", flush=True)
+        _fit(cfg, strategy, reporter, module, train_loader(train_set, cfg.data, seed))
+    except KeyboardInterrupt:
+        if not stop.event.is_set():
+            raise
+        log.info("Interrupted while %s; leaving now", "starting" if reporter is None else "averaging")
     finally:
         stop.restore()
-        strategy.shutdown()
-        remove_stale_sockets(since=started)
-    result = reporter.summary()
+        if strategy is not None:
+            strategy.shutdown()
+        elif dht is not None:
+            stop_dht(dht)
+        remove_stale_sockets(since=started, exclude_own=True)
+    result = reporter.summary() if reporter is not None else {"peer_name": peer_name, "final_epoch": 0}
     (out_dir / "summary.json").write_text(json.dumps(result, indent=1))
     log.info("Left the swarm at global epoch %d; summary in %s", result["final_epoch"], out_dir / "summary.json")
     return result

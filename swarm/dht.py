@@ -40,6 +40,13 @@ def check_multiaddrs(maddrs: Sequence[str], option: str, need_peer_id: bool = Fa
             )
 
 
+def check_addresses(cfg: SwarmConfig) -> None:
+    """Validate every multiaddr of ``cfg`` before any slow work; raises ValueError naming the option."""
+    check_multiaddrs(cfg.initial_peers, "--initial-peers", need_peer_id=True)
+    check_multiaddrs(cfg.host_maddrs, "--host-maddr")
+    check_multiaddrs(cfg.announce_maddrs, "--announce-maddr")
+
+
 def start_dht(cfg: SwarmConfig, record_validators: Sequence = ()) -> "hivemind.DHT":
     """Start this process's DHT node (and its p2p daemon) and connect it to ``cfg.initial_peers``.
 
@@ -48,9 +55,7 @@ def start_dht(cfg: SwarmConfig, record_validators: Sequence = ()) -> "hivemind.D
     """
     import hivemind
 
-    check_multiaddrs(cfg.initial_peers, "--initial-peers", need_peer_id=True)
-    check_multiaddrs(cfg.host_maddrs, "--host-maddr")
-    check_multiaddrs(cfg.announce_maddrs, "--announce-maddr")
+    check_addresses(cfg)
     kwargs = dict(
         initial_peers=list(cfg.initial_peers),
         host_maddrs=list(cfg.host_maddrs),
@@ -107,3 +112,18 @@ def join_command(dht: "hivemind.DHT", run_id: str | None = None, config: str | N
     if run_id:
         line += f" --run-id {run_id}"
     return line
+
+
+def stop_dht(dht: "hivemind.DHT", network_alive: bool | None = None) -> None:
+    """Shut the DHT (and its p2p daemon) down; if the daemon already died, terminate the DHT process quietly."""
+    from swarm.procs import p2p_daemon_alive
+
+    if not dht.is_alive():
+        return
+    if network_alive is None:
+        network_alive = p2p_daemon_alive()
+    if network_alive:
+        dht.shutdown()
+    else:
+        dht.terminate()
+        dht.join(5)

@@ -24,11 +24,30 @@ def setup_logging(verbose: bool = False) -> None:
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # hivemind leaves pending tasks at exit
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "INFO" if verbose else "WARNING")
     try:
-        from hivemind.utils.logging import get_logger
+        import hivemind.utils.logging as hivemind_logging
 
-        get_logger("hivemind").setLevel(logging.INFO if verbose else logging.WARNING)
+        hivemind_logging.get_logger("hivemind").setLevel(logging.INFO if verbose else logging.WARNING)
+        handler = hivemind_logging._default_handler
+        if handler is not None and not verbose and not any(isinstance(f, OneLineErrors) for f in handler.filters):
+            handler.addFilter(OneLineErrors())
     except ImportError:
         pass
+
+
+class OneLineErrors(logging.Filter):
+    """Fold a library's exception tracebacks into one line (run with --verbose to see them in full).
+
+    hivemind logs expected network events (a peer left mid-round) with full tracebacks; to a user that
+    reads like a crash of their own peer."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            exc = record.exc_info[1]
+            record.msg = f"{record.getMessage()} ({type(exc).__name__}: {exc})"
+            record.args = ()
+            record.exc_info = None
+            record.exc_text = None
+        return True
 
 
 def quiet_libraries() -> None:

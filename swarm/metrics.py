@@ -76,9 +76,13 @@ def publish(dht: "hivemind.DHT", run_id: str, public_key: bytes, record: LocalMe
     )
 
 
-def fetch(dht: "hivemind.DHT", run_id: str, warned: set | None = None) -> Dict[bytes, LocalMetrics]:
-    """Read the live records of ``run_id``. Malformed ones are skipped with one warning per subkey."""
-    result = dht.get(metrics_key(run_id), latest=True)
+def fetch(dht: "hivemind.DHT", run_id: str, warned: Optional[set] = None,
+          timeout: float = 10.0) -> Dict[bytes, LocalMetrics]:
+    """Read the live records of ``run_id``. Malformed ones are skipped with one warning per subkey.
+
+    Waits at most ``timeout`` seconds (raises TimeoutError), so a dead DHT process cannot hang the caller.
+    """
+    result = dht.get(metrics_key(run_id), latest=True, return_future=True).result(timeout=timeout)
     if result is None or not isinstance(result.value, dict):
         return {}
     warned = set() if warned is None else warned

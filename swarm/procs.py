@@ -96,23 +96,71 @@ def wait_group(proc: subprocess.Popen, timeout: float) -> bool:
     return False
 
 
-def _bound_unix_paths() -> set[str]:
+def descendants(pid: int) -> list[int]:
+    """PIDs of all live descendants of ``pid`` (children, grandchildren, ...)."""
+    parents: dict[int, int] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            text = Path(stat).read_text()
+        except OSError:
+            continue
+        fields = text[text.rfind(")") + 2:].split()
+        if len(fields) > 1 and fields[0] != "Z":
+            parents[int(stat.split("/")[2])] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        current = frontier.pop()
+        children = [child for child, parent in parents.items() if parent == current]
+        found.extend(children)
+        frontier.extend(children)
+    return found
+
+
+def p2p_daemon_alive(pid: int | None = None) -> bool:
+    """True if a hivemind p2p daemon (p2pd) still runs below process ``pid`` (default: this process).
+
+    Ctrl-C in a terminal signals the whole process group, and p2pd exits on SIGINT. Without it, hivemind's
+    graceful shutdown can only fail noisily, so roles check this first and stop their helpers directly.
+    """
+    for child in descendants(os.getpid() if pid is None else pid):
+        try:
+            if Path(f"/proc/{child}/comm").read_text().strip() == "p2pd":
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _bound_unix_paths(exclude_own: bool = False) -> set[str]:
+    """Paths of listening unix sockets; with ``exclude_own``, those held by this very process don't count."""
+    own: set[str] = set()
+    if exclude_own:
+        for fd in glob.glob("/proc/self/fd/*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                own.add(target[len("socket:["):-1])
     paths = set()
     try:
         with open("/proc/net/unix") as f:
             next(f)
             for line in f:
                 parts = line.split()
-                if len(parts) >= 8:
+                if len(parts) >= 8 and parts[6] not in own:
                     paths.add(parts[7])
     except OSError:
         pass
     return paths
 
 
-def stale_sockets(since: float = 0.0) -> list[str]:
-    """hivemind socket files modified after ``since`` that no live process is bound to."""
-    bound = _bound_unix_paths()
+def stale_sockets(since: float = 0.0, exclude_own: bool = False) -> list[str]:
+    """hivemind socket files modified after ``since`` that no live process is bound to.
+
+    With ``exclude_own``, sockets held by this process count as stale too (for a process about to exit).
+    """
+    bound = _bound_unix_paths(exclude_own)
     out = []
     for path in glob.glob(SOCKET_GLOB):
         try:
@@ -123,10 +171,10 @@ def stale_sockets(since: float = 0.0) -> list[str]:
     return out
 
 
-def remove_stale_sockets(since: float = 0.0) -> int:
+def remove_stale_sockets(since: float = 0.0, exclude_own: bool = False) -> int:
     """Delete stale hivemind socket files created after ``since``; returns how many were removed."""
     removed = 0
-    for path in stale_sockets(since):
+    for path in stale_sockets(since, exclude_own):
         try:
             os.unlink(path)
             removed += 1
@@ -144,16 +192,31 @@ class GracefulStop:
         self.signal_name: str | None = None
         self._previous: dict[int, Any] = {}
         self._timer: threading.Timer | None = None
+        self._disarmed = False
 
     def install(self) -> None:
+        """Handle SIGINT and SIGTERM in this process (again, if a library replaced the handlers)."""
         self.owner_pid = os.getpid()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
+            previous = signal.signal(sig, self._handle)
+            self._previous.setdefault(sig, previous)
 
-    def restore(self) -> None:
-        """Cancel the pending interrupt and put the previous handlers back (call in ``finally``)."""
+    def disarm(self) -> None:
+        """The role has begun its orderly shutdown: never interrupt it, but bound it (force exit after a
+        while) if a stop was requested."""
+        if self._disarmed:
+            return
+        self._disarmed = True
         if self._timer is not None:
             self._timer.cancel()
+        if self.event.is_set():
+            self._timer = threading.Timer(3 * SHUTDOWN_GRACE_S, self._force_exit)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def restore(self) -> None:
+        """Disarm, and put the previous handlers back (call in ``finally``)."""
+        self.disarm()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
@@ -168,6 +231,32 @@ class GracefulStop:
         self.signal_name = signal.Signals(signum).name
         self.event.set()
         log.info("Received %s: leaving the swarm after the current step", self.signal_name)
-        self._timer = threading.Timer(SHUTDOWN_GRACE_S, signal.raise_signal, args=(signal.SIGINT,))
+        # pthread_kill, not raise_signal: only a signal aimed at the main thread interrupts its blocking wait.
+        # SIGTERM, not SIGINT: libraries (hivemind's averagers) may set SIGINT to be ignored.
+        self._deadline = time.time() + SHUTDOWN_GRACE_S
+        self._timer = threading.Timer(0.5, self._watch)
         self._timer.daemon = True
         self._timer.start()
+
+    def _watch(self) -> None:
+        """Interrupt the main thread once the grace period is over, or at once if the p2p daemon is gone
+        (the signal reached the whole group), because then a pending averaging round can never finish."""
+        if self._disarmed:
+            return
+        if time.time() < self._deadline and p2p_daemon_alive(self.owner_pid):
+            self._timer = threading.Timer(0.5, self._watch)
+            self._timer.daemon = True
+            self._timer.start()
+            return
+        log.info("Interrupting the current step to leave now")
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+        self.disarm()  # last resort: if even the orderly shutdown hangs, stop our children and leave
+
+    def _force_exit(self) -> None:
+        log.error("Shutdown did not finish within %.0f s; killing this peer's processes", 3 * SHUTDOWN_GRACE_S)
+        for pid in descendants(os.getpid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os._exit(0)

@@ -23,12 +23,17 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from swarm.dht import stop_dht
+from swarm.procs import p2p_daemon_alive
 
 if TYPE_CHECKING:
     import hivemind
@@ -112,7 +117,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         super().__init__(device=device)
         self.dht, self.run_id = dht, run_id
         self.target_batch_size, self.batch_size = target_batch_size, batch_size
-        self.load_state_on_start = load_state_on_start
+        self.load_state_on_start, self.request_timeout = load_state_on_start, request_timeout
         self.hivemind_opt: "hivemind.Optimizer | None" = None
         self.skipped_nonfinite_steps = 0
         self.loaded_epoch: int | None = None
@@ -149,17 +154,24 @@ class HivemindStrategy(SingleDeviceStrategy):
 
     def _wrap_optimizer(self) -> None:
         import hivemind
+        from hivemind.optim.grad_averager import GradientAverager
 
         if len(self.optimizers) != 1:
             raise MisconfigurationException(f"HivemindStrategy needs exactly one optimizer, got {len(self.optimizers)}")
+        sigint = signal.getsignal(signal.SIGINT)  # hivemind's averagers set SIGINT to SIG_IGN in this process
         self.hivemind_opt = hivemind.Optimizer(
             dht=self.dht,
             run_id=self.run_id,
             optimizer=self.optimizers[0],
             target_batch_size=self.target_batch_size,
             batch_size_per_step=self.batch_size,
+            # hivemind passes averager_opts to the state averager only; the gradient averager needs the
+            # same request_timeout, or matchmaking_time below 3 s risks deadlocks
+            grad_averager_factory=partial(GradientAverager, request_timeout=self.request_timeout),
             **self._optimizer_kwargs,
         )
+        if sigint is not None:
+            signal.signal(signal.SIGINT, sigint)  # so that Ctrl-C still reaches this process
         for config in self.lr_scheduler_configs:
             if isinstance(config.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
                 raise MisconfigurationException("ReduceLROnPlateau is not supported by HivemindStrategy")
@@ -200,22 +212,40 @@ class HivemindStrategy(SingleDeviceStrategy):
         if self.hivemind_opt is not None and not self._shut_down:
             self.hivemind_opt.state_averager.step(wait_for_delayed_updates=True)
 
+    def _averagers(self) -> list:
+        opt = self.hivemind_opt
+        if opt is None:
+            return []
+        return [opt.state_averager] + ([opt.grad_averager] if opt.grad_averager is not None else [])
+
     def shutdown(self) -> None:
-        """Stop the hivemind optimizer (its averagers) and the DHT with its p2p daemon. Idempotent."""
+        """Stop the hivemind optimizer (its averagers) and the DHT with its p2p daemon. Idempotent.
+
+        If a signal sent to the whole process group already stopped the averagers, only what is still
+        alive is stopped (hivemind's own shutdown would log spurious tracebacks for the dead ones).
+        """
         if self._shut_down:
             return
         self._shut_down = True
+        network_alive = p2p_daemon_alive()
         try:
-            if self.hivemind_opt is not None:
-                try:
-                    self.finalize_quietly()
-                finally:
-                    self.hivemind_opt.shutdown()
+            opt = self.hivemind_opt
+            if opt is not None:
+                averagers = self._averagers()
+                if network_alive and all(a.is_alive() for a in averagers):
+                    self._finalize_quietly()
+                    opt.shutdown()
+                else:  # a signal to the whole group stopped p2pd or the averagers: no one to say goodbye to
+                    log.info("The p2p daemon or the averagers already exited; stopping the rest directly")
+                    for averager in averagers:
+                        if averager.is_alive():
+                            averager.terminate()
+                            averager.join(5)
         finally:
             log.info("Shutting down the DHT and p2p daemon")
-            self.dht.shutdown()
+            stop_dht(self.dht, network_alive)
 
-    def finalize_quietly(self) -> None:
+    def _finalize_quietly(self) -> None:
         try:
             assert self.hivemind_opt is not None
             self.hivemind_opt.state_averager.step(wait_for_delayed_updates=True)

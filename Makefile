@@ -1,0 +1,26 @@
+# Two set-up commands, each works on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PEERS ?= 3
+
+.PHONY: demo test install clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# the main job: a bootstrap and $(PEERS) training peers on 127.0.0.1, embedded data, nothing to download
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/swarm-peer demo --peers $(PEERS)
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs *.egg-info

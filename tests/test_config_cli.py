@@ -1,0 +1,103 @@
+"""Config resolution and the CLI's handling of bad input (click's CliRunner, in-process)."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from peer.cli import main
+from swarm.config import ConfigError, build_config, replace
+
+
+def test_precedence_flags_over_env_over_yaml_over_defaults(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text("data:\n  batch_size: 16\nswarm:\n  target_batch_size: 512\n  run_id: from-yaml\n")
+    cfg = build_config(str(path), {"run_id": "from-flag"}, environ={"SWARM_TARGET_BATCH_SIZE": "256"})
+    assert cfg.data.batch_size == 16  # yaml over default
+    assert cfg.swarm.target_batch_size == 256  # env over yaml
+    assert cfg.swarm.run_id == "from-flag"  # flag over yaml
+    assert cfg.model.model_name == "vit_base_patch32_224"  # default flagship
+
+
+def test_bundled_configs_resolve():
+    demo = build_config("demo", environ={})
+    assert demo.data.dataset == "digits" and demo.model.img_size == 32
+    flagship = build_config("flagship", environ={})
+    assert flagship.model.model_name == "vit_base_patch32_224" and flagship.model.img_size == 224
+
+
+@pytest.mark.parametrize("text, message", [
+    ("data:\n  batch_sise: 3\n", "unknown key data.batch_sise"),
+    ("dataa:\n  batch_size: 3\n", "unknown section"),
+    ("data:\n  batch_size: [1\n", "not valid YAML"),
+    ("data:\n  batch_size: 3.5\n", "not a valid int"),
+])
+def test_bad_yaml_is_rejected(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        build_config(str(path), environ={})
+
+
+def test_unknown_env_var_is_an_error():
+    with pytest.raises(ConfigError, match="SWARM_BATCHSIZE"):
+        build_config(None, environ={"SWARM_BATCHSIZE": "4"})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"batch_size": 64, "target_batch_size": 32}, "smaller than batch_size"),
+    ({"averaging_timeout": -1.0}, "averaging_timeout=-1.0"),
+    ({"matchmaking_time": 2.0, "request_timeout": 3.0}, "matchmaking_time"),
+    ({"precision": "16-mixed", "device": "cpu"}, "precision"),
+    ({"run_id": "bad id!"}, "run_id"),
+    ({"patch_size": 5, "img_size": 32}, "patch_size"),
+])
+def test_invalid_values_name_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(None, overrides, environ={})
+
+
+def test_replace_revalidates():
+    cfg = build_config("demo", environ={})
+    assert replace(cfg, batch_size=8).data.batch_size == 8
+    with pytest.raises(ConfigError):
+        replace(cfg, batch_size=0)
+
+
+def test_resolved_config_roundtrips_through_yaml(tmp_path):
+    from swarm.config import save_config
+
+    cfg = build_config("demo", {"initial_peers": ("/ip4/127.0.0.1/tcp/1/p2p/QmX",)}, environ={})
+    save_config(cfg, tmp_path / "config.yaml")
+    again = build_config(str(tmp_path / "config.yaml"), environ={})
+    assert again == cfg
+
+
+@pytest.mark.parametrize("args, message", [
+    (["join", "--batch-size", "0"], "batch_size=0"),
+    (["join", "--precision", "fp8"], "Invalid value for '--precision'"),
+    (["join", "--config", "no-such-config"], "not found"),
+    (["join", "--target-batch-size", "8", "--batch-size", "16"], "smaller than batch_size"),
+    (["join", "--averaging-timeout", "-5"], "averaging_timeout"),
+    (["join", "--no-such-flag"], "No such option"),
+    (["demo", "--peers", "0"], "Invalid value for '--peers'"),
+])
+def test_bad_flags_give_a_usage_error_not_a_traceback(args, message):
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_malformed_multiaddr_is_one_line_error(tmp_path):
+    result = CliRunner().invoke(main, ["join", "--config", "demo", "--initial-peers", "not-an-address",
+                                       "--log-dir", str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    assert "not a multiaddr" in result.output and "Traceback" not in result.output
+
+
+def test_help_lists_the_commands():
+    result = CliRunner().invoke(main, ["--help"])
+    assert result.exit_code == 0
+    for command in ("join", "bootstrap", "demo"):
+        assert command in result.output

@@ -1,0 +1,132 @@
+"""Data loading (the real CIFAR-10 code on CIFAR-format files written here, and the digits set), the model
+builder, the LR schedule and the metrics record schema."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from swarm.config import DataConfig, ModelConfig, build_config
+from swarm.data import CIFAR_FOLDER, DatasetError, build_datasets, load_cifar10, train_loader
+from swarm.model import ModelError, create_model, lr_lambda
+
+
+def write_cifar(root, n_per_batch: int = 20, seed: int = 0):
+    """Write a tiny data set in the cifar-10-batches-py pickle layout; returns the labels per file."""
+    rng = np.random.default_rng(seed)
+    folder = root / CIFAR_FOLDER
+    folder.mkdir(parents=True)
+    labels = {}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        data = rng.integers(0, 256, size=(n_per_batch, 3072), dtype=np.uint8)
+        batch_labels = rng.integers(0, 10, size=n_per_batch).tolist()
+        with open(folder / name, "wb") as f:
+            pickle.dump({"batch_label": name, "labels": batch_labels, "data": data, "filenames": []}, f)
+        labels[name] = (data, batch_labels)
+    return labels
+
+
+def test_cifar_loader_reads_the_pickle_layout(tmp_path):
+    written = write_cifar(tmp_path)
+    train_x, train_y, test_x, test_y = load_cifar10(str(tmp_path), download=False)
+    assert train_x.shape == (100, 3, 32, 32) and train_x.dtype == torch.uint8
+    assert test_x.shape == (20, 3, 32, 32)
+    data, labels = written["data_batch_1"]
+    assert torch.equal(train_x[0], torch.from_numpy(data[0]).reshape(3, 32, 32))  # channel-major layout
+    assert train_y[:20].tolist() == labels
+    assert test_y.tolist() == written["test_batch"][1]
+
+
+def test_cifar_datasets_resize_to_the_model_input(tmp_path):
+    write_cifar(tmp_path)
+    cfg = DataConfig(dataset="cifar10", data_dir=str(tmp_path), download=False, batch_size=4)
+    train, val = build_datasets(cfg, img_size=224)
+    image, label = train[0]
+    assert image.shape == (3, 224, 224) and 0 <= label <= 9
+    assert val[0][0].shape == (3, 224, 224)
+    images, labels = next(iter(train_loader(train, cfg, seed=1)))
+    assert images.shape == (4, 3, 224, 224) and labels.shape == (4,)
+
+
+def test_missing_cifar_names_the_path_and_the_fix(tmp_path):
+    with pytest.raises(DatasetError) as err:
+        load_cifar10(str(tmp_path / "nowhere"), download=False)
+    message = str(err.value)
+    assert "nowhere" in message and "--data-dir" in message and "\n" not in message
+
+
+def test_corrupt_cifar_is_reported(tmp_path):
+    write_cifar(tmp_path)
+    target = tmp_path / CIFAR_FOLDER / "data_batch_3"
+    target.write_bytes(target.read_bytes()[:100])  # truncated
+    with pytest.raises(DatasetError, match="data_batch_3 is corrupt"):
+        load_cifar10(str(tmp_path), download=False)
+
+
+def test_cli_reports_missing_dataset_in_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from peer.cli import main
+
+    result = CliRunner().invoke(main, ["join", "--config", "demo", "--dataset", "cifar10", "--data-dir",
+                                       str(tmp_path / "empty"), "--no-download", "--log-dir", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "CIFAR-10 not found" in result.output and "Traceback" not in result.output
+
+
+def test_digits_set_is_embedded_and_split():
+    cfg = build_config("demo", environ={})
+    train, val = build_datasets(cfg.data, cfg.model.img_size)
+    assert len(train) + len(val) == 1797 and len(val) == 359
+    image, label = train[0]
+    assert image.shape == (3, 32, 32) and 0 <= label <= 9
+
+
+def test_each_peer_shuffles_with_its_own_seed():
+    cfg = build_config("demo", environ={})
+    train, _ = build_datasets(cfg.data, cfg.model.img_size)
+    first = lambda seed: next(iter(train_loader(train, cfg.data, seed)))[1].tolist()  # noqa: E731
+    assert first(1) == first(1)
+    assert first(1) != first(2)
+
+
+def test_model_init_is_shared_through_the_seed():
+    cfg = build_config("demo", environ={}).model
+    a, b = create_model(cfg), create_model(cfg)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    other = create_model(ModelConfig(**{**cfg.__dict__, "init_seed": 1}))
+    assert not torch.equal(next(iter(a.parameters())), next(iter(other.parameters())))
+    out = a(torch.zeros(2, 3, 32, 32))
+    assert out.shape == (2, 10)
+
+
+def test_unknown_model_is_a_clear_error():
+    with pytest.raises(ModelError, match="no model named"):
+        create_model(ModelConfig(model_name="vit_does_not_exist"))
+
+
+def test_flagship_model_has_vit_b32_shape():
+    model = create_model(ModelConfig())
+    assert 87e6 < sum(p.numel() for p in model.parameters()) < 89e6
+
+
+def test_lr_schedule_warms_up_then_decays():
+    f = lr_lambda(warmup_epochs=4, schedule_epochs=10)
+    values = [f(s) for s in range(20)]
+    assert values[0] < values[3] < values[4] == pytest.approx(1.0)
+    assert values[14] == pytest.approx(0.05) and values[19] == pytest.approx(0.05)
+    assert all(a >= b for a, b in zip(values[4:], values[5:]))
+
+
+def test_metrics_record_schema_rejects_wrong_types():
+    from swarm.metrics import LocalMetrics
+
+    good = dict(peer_name="p", global_epoch=3, samples_per_second=10.0, loss=2.3, samples_accumulated=64,
+                mini_steps=2, time=1.0)
+    assert LocalMetrics.parse_obj(good).global_epoch == 3
+    for bad in ({"global_epoch": "3"}, {"loss": "high"}, {"samples_per_second": -1.0}, {"val_acc": 1.5}):
+        with pytest.raises(Exception):
+            LocalMetrics.parse_obj({**good, **bad})

@@ -1,0 +1,73 @@
+"""A peer's life outside the happy path: SIGTERM/SIGINT (spot reclaim, Ctrl-C) and unreachable initial peers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+from swarm.procs import group_members
+from tests.helpers import PeerProcess, read_summary
+
+VALID_PEER_ID = "12D3KooWJXm34jsMXXj1xRRjuhiorYY6HTTNXCoq5EN1QLAChu4J"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _signal_group_and_time_exit(peer: PeerProcess, sig: int, limit: float) -> tuple[int, float]:
+    sent = time.time()
+    os.killpg(peer.pgid, sig)  # a reclaimed spot instance or Ctrl-C signals every process of the peer
+    code = peer.wait(timeout=limit + 20)
+    while group_members(peer.pgid) and time.time() - sent < limit + 20:
+        time.sleep(0.1)
+    return code, time.time() - sent
+
+
+def test_sigterm_and_sigint_leave_cleanly(peers, tmp_path):
+    common = ["--config", "demo", "--run-id", "pytest-signals", "--log-dir", str(tmp_path),
+              "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--log-every", "1", "--threads", "1", "--max-epochs", "100000"]
+    first = PeerProcess("first", ["join", *common, "--peer-name", "first", "--seed", "1"], peers)
+    address = first.join_address(timeout=120)
+    second = PeerProcess("second", ["join", *common, "--peer-name", "second", "--seed", "2",
+                                    "--initial-peers", address], peers)
+    second.wait_for(r"\| epoch \d+ \| peers 2", timeout=180)
+
+    code, seconds = _signal_group_and_time_exit(second, signal.SIGTERM, limit=10)
+    assert code == 0, second.output()[-3000:]
+    assert seconds < 10, f"SIGTERM took {seconds:.1f}s\n" + second.output()[-5000:]
+    assert not group_members(second.pgid), "the p2p daemon or an averager outlived the peer"
+    assert "Received SIGTERM" in second.output()
+    assert read_summary(tmp_path, "pytest-signals", "second")["final_epoch"] >= 0
+
+    # the survivor keeps training alone, then Ctrl-C stops it just as cleanly
+    seen = len(first.lines)
+    deadline = time.time() + 60
+    while time.time() < deadline and not any("| epoch" in line for line in first.lines[seen:]):
+        time.sleep(0.5)
+    assert any("| epoch" in line for line in first.lines[seen:]), first.output()[-3000:]
+    code, seconds = _signal_group_and_time_exit(first, signal.SIGINT, limit=10)
+    assert code == 0, first.output()[-3000:]
+    assert seconds < 10, f"SIGINT took {seconds:.1f}s\n" + first.output()[-5000:]
+    assert "Traceback" not in first.output() + second.output()
+
+
+def test_unreachable_initial_peer_is_a_clear_error(peers, tmp_path):
+    address = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{VALID_PEER_ID}"
+    os.environ["SWARM_BOOTSTRAP_TIMEOUT"] = "5"
+    try:
+        peer = PeerProcess("lonely", ["join", "--config", "demo", "--initial-peers", address,
+                                      "--log-dir", str(tmp_path), "--host-maddr", "/ip4/127.0.0.1/tcp/0"], peers)
+    finally:
+        del os.environ["SWARM_BOOTSTRAP_TIMEOUT"]
+    started = time.time()
+    code = peer.wait(timeout=90)
+    assert code == 1
+    assert time.time() - started < 60
+    out = peer.output()
+    assert "could not reach the initial peers" in out and "firewall" in out and "--client-mode" in out
+    assert "Traceback" not in out

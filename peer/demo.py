@@ -37,7 +37,7 @@ def run_bootstrap(cfg: ExperimentConfig, config_name: str | None = None) -> None
         stop.restore()
         if dht is not None:
             stop_dht(dht)
-        remove_stale_sockets(since=started, exclude_own=True)
+        remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
 
 
 def _pump(name: str, stream: IO[str], found: dict[str, str], ready: threading.Event) -> None:
@@ -83,7 +83,9 @@ def _print_summary(cfg: ExperimentConfig, summaries: list[dict], wall: float) ->
         span = (max(h["time"] for h in histories) - min(h["time"] for h in histories)) if histories else 0
         per_epoch = span / max(1, len({h["epoch"] for h in histories}) - 1)
         swarm_sps = sum(s["mean_samples_per_second"] or 0 for s in summaries)
-        accs = [(h["epoch"], h["val_acc"]) for h in summaries[0]["history"] if "val_acc" in h]
+        first = summaries[0].get("initial_val")
+        accs = ([(first["epoch"], first["acc"])] if first else []) + [
+            (h["epoch"], h["val_acc"]) for h in summaries[0]["history"] if "val_acc" in h]
         print(f"global epochs: {epochs} | {per_epoch:.1f} s per global epoch | swarm {swarm_sps:.1f} samples/s "
               f"| target batch {cfg.swarm.target_batch_size}")
         if accs:
@@ -125,7 +127,7 @@ def run_demo(cfg: ExperimentConfig, config_name: str, n_peers: int) -> int:
             stop_group(proc, grace=15.0)
         for thread in threads:
             thread.join(timeout=5)
-        remove_stale_sockets(since=started)
+        remove_stale_sockets(since=started, settle=3.0)
     _print_summary(cfg, _summarise(cfg, [n for n in procs if n != "bootstrap"]), time.time() - started)
     if interrupted:
         return 130

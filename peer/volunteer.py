@@ -265,7 +265,7 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
             strategy.shutdown()
         elif dht is not None:
             stop_dht(dht)
-        remove_stale_sockets(since=started, exclude_own=True)
+        remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
     result = reporter.summary() if reporter is not None else {"peer_name": peer_name, "final_epoch": 0}
     (out_dir / "summary.json").write_text(json.dumps(result, indent=1))
     log.info("Left the swarm at global epoch %d; summary in %s", result["final_epoch"], out_dir / "summary.json")

@@ -21,6 +21,8 @@ def setup_logging(verbose: bool = False) -> None:
         root.addHandler(handler)
     root.setLevel(level)
     quiet_libraries()
+    if not verbose:
+        sys.unraisablehook = _log_unraisable
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # hivemind leaves pending tasks at exit
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "INFO" if verbose else "WARNING")
     try:
@@ -32,6 +34,12 @@ def setup_logging(verbose: bool = False) -> None:
             handler.addFilter(OneLineErrors())
     except ImportError:
         pass
+
+
+def _log_unraisable(unraisable: "sys.UnraisableHookArgs") -> None:
+    """Errors that Python ignores anyway (in __del__ of hivemind objects after a shutdown) as one debug line."""
+    logging.getLogger("swarm.cleanup").debug("Ignored %s in %r: %s", type(unraisable.exc_value).__name__,
+                                             unraisable.object, unraisable.exc_value)
 
 
 class OneLineErrors(logging.Filter):

@@ -38,18 +38,23 @@ def group_alive(pgid: int) -> bool:
     return bool(group_members(pgid))
 
 
-def group_members(pgid: int) -> list[int]:
-    """PIDs of live (non-zombie) processes whose process group is ``pgid``."""
-    members = []
+def _live_processes() -> dict[int, tuple[int, int]]:
+    """{pid: (parent pid, process group)} of every live, non-zombie process, read from /proc."""
+    out = {}
     for stat in glob.glob("/proc/[0-9]*/stat"):
         try:
             text = Path(stat).read_text()
         except OSError:
             continue
-        fields = text[text.rfind(")") + 2:].split()
-        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(stat.split("/")[2]))
-    return members
+        fields = text[text.rfind(")") + 2:].split()  # state, ppid, pgrp, ...
+        if len(fields) > 2 and fields[0] != "Z":
+            out[int(stat.split("/")[2])] = (int(fields[1]), int(fields[2]))
+    return out
+
+
+def group_members(pgid: int) -> list[int]:
+    """PIDs of live (non-zombie) processes whose process group is ``pgid``."""
+    return [pid for pid, (_, group) in _live_processes().items() if group == pgid]
 
 
 def stop_group(proc: subprocess.Popen, grace: float = 15.0, sig: int = signal.SIGTERM,
@@ -98,15 +103,7 @@ def wait_group(proc: subprocess.Popen, timeout: float) -> bool:
 
 def descendants(pid: int) -> list[int]:
     """PIDs of all live descendants of ``pid`` (children, grandchildren, ...)."""
-    parents: dict[int, int] = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            text = Path(stat).read_text()
-        except OSError:
-            continue
-        fields = text[text.rfind(")") + 2:].split()
-        if len(fields) > 1 and fields[0] != "Z":
-            parents[int(stat.split("/")[2])] = int(fields[1])
+    parents = {child: parent for child, (parent, _) in _live_processes().items()}
     found, frontier = [], [pid]
     while frontier:
         current = frontier.pop()
@@ -171,16 +168,31 @@ def stale_sockets(since: float = 0.0, exclude_own: bool = False) -> list[str]:
     return out
 
 
-def remove_stale_sockets(since: float = 0.0, exclude_own: bool = False) -> int:
-    """Delete stale hivemind socket files created after ``since``; returns how many were removed."""
-    removed = 0
-    for path in stale_sockets(since, exclude_own):
-        try:
-            os.unlink(path)
-            removed += 1
-        except FileNotFoundError:
-            pass
-    return removed
+def remove_stale_sockets(since: float = 0.0, exclude_own: bool = False, settle: float = 0.0) -> int:
+    """Delete stale hivemind socket files created after ``since``; returns how many were removed.
+
+    With ``settle``, keep looking for up to that many seconds while newer socket files are still bound,
+    since a p2p daemon that is being stopped releases its socket a moment later.
+    """
+    removed, deadline = 0, time.time() + settle
+    while True:
+        for path in stale_sockets(since, exclude_own):
+            try:
+                os.unlink(path)
+                removed += 1
+            except FileNotFoundError:
+                pass
+        pending = [p for p in glob.glob(SOCKET_GLOB) if _mtime(p) >= since]
+        if not pending or time.time() >= deadline:
+            return removed
+        time.sleep(0.2)
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except FileNotFoundError:
+        return 0.0
 
 
 class GracefulStop:

@@ -205,6 +205,9 @@ class GracefulStop:
         self._previous: dict[int, Any] = {}
         self._timer: threading.Timer | None = None
         self._disarmed = False
+        self._interrupts = 0
+        self._force_at = float("inf")
+        self.started = time.time()
 
     def install(self) -> None:
         """Handle SIGINT and SIGTERM in this process (again, if a library replaced the handlers)."""
@@ -252,23 +255,29 @@ class GracefulStop:
 
     def _watch(self) -> None:
         """Interrupt the main thread once the grace period is over, or at once if the p2p daemon is gone
-        (the signal reached the whole group), because then a pending averaging round can never finish."""
+        (the signal reached the whole group), because then a pending averaging round can never finish.
+        Repeat every second until the role starts its shutdown: hivemind swallows some interrupts
+        (``except BaseException`` around an averaging round) and then waits on the next one."""
         if self._disarmed:
             return
-        if time.time() < self._deadline and p2p_daemon_alive(self.owner_pid):
-            self._timer = threading.Timer(0.5, self._watch)
-            self._timer.daemon = True
-            self._timer.start()
-            return
-        log.info("Interrupting the current step to leave now")
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
-        self.disarm()  # last resort: if even the orderly shutdown hangs, stop our children and leave
+        if time.time() >= self._deadline or not p2p_daemon_alive(self.owner_pid):
+            if self._interrupts == 0:
+                log.info("Interrupting the current step to leave now")
+                self._force_at = time.time() + 3 * SHUTDOWN_GRACE_S
+            self._interrupts += 1
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+        if self._interrupts and time.time() >= self._force_at:
+            self._force_exit()
+        self._timer = threading.Timer(1.0 if self._interrupts else 0.5, self._watch)
+        self._timer.daemon = True
+        self._timer.start()
 
     def _force_exit(self) -> None:
-        log.error("Shutdown did not finish within %.0f s; killing this peer's processes", 3 * SHUTDOWN_GRACE_S)
+        log.error("Leaving did not finish within %.0f s; killing this peer's processes", 3 * SHUTDOWN_GRACE_S)
         for pid in descendants(os.getpid()):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        remove_stale_sockets(since=self.started, exclude_own=True, settle=2.0)
         os._exit(0)

@@ -251,6 +251,7 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
             batch_size=cfg.data.batch_size, device=device, matchmaking_time=cfg.swarm.matchmaking_time,
             averaging_timeout=cfg.swarm.averaging_timeout, average_state_every=cfg.swarm.average_state_every,
             load_state_timeout=cfg.swarm.load_state_timeout, request_timeout=cfg.swarm.request_timeout,
+            next_chunk_timeout=cfg.swarm.next_chunk_timeout,
         )
         reporter = SwarmReporter(cfg, strategy, public_key, peer_name, val_loader(val_set, cfg.data), stop)
         print(f"To join this swarm, run:\n  {join_command(dht, cfg.swarm.run_id, config_name)}", flush=True)

@@ -123,6 +123,9 @@ class SwarmConfig:
     averaging_timeout: float = 60.0
     """Cancel an all-reduce after this many seconds. Increase it if you often see
     'Proceeding with local gradients'."""
+    next_chunk_timeout: float = 10.0
+    """Seconds to wait for a peer's next chunk inside an all-reduce before averaging without it. Too low
+    (hivemind's default equals matchmaking_time) gives 'received 66% results' and silently diverging peers."""
     average_state_every: int = 1
     """Average parameters with peers every this many global epochs (keeps drifted peers in line)."""
     load_state_timeout: float = 60.0
@@ -137,7 +140,7 @@ class SwarmConfig:
                self.run_id, "letters, digits, '-' and '_'")
         _check(self.target_batch_size >= 1, "target_batch_size", self.target_batch_size, "an integer >= 1")
         for name in ("request_timeout", "averaging_timeout", "load_state_timeout", "bootstrap_timeout",
-                     "metrics_expiration"):
+                     "metrics_expiration", "next_chunk_timeout"):
             _check(getattr(self, name) > 0, name, getattr(self, name), "a number of seconds > 0")
         _check(self.matchmaking_time > self.request_timeout, "matchmaking_time", self.matchmaking_time,
                f"more seconds than request_timeout={self.request_timeout} (hivemind may deadlock otherwise)")

@@ -90,6 +90,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         average_state_every: average parameters every this many global epochs.
         load_state_timeout: seconds to wait for the swarm's state when (re)joining.
         request_timeout: seconds before one averaging request counts as lost.
+        next_chunk_timeout: seconds to wait for a peer's next chunk inside an all-reduce (hivemind's default is
+            matchmaking_time); peers late by more are averaged without, and the swarm drifts apart.
         load_state_on_start: download the swarm's newest state before the first step.
         verbose: let hivemind log its internal events at INFO level.
         optimizer_kwargs: passed on to ``hivemind.Optimizer``.
@@ -110,6 +112,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         average_state_every: int = 1,
         load_state_timeout: float = 60.0,
         request_timeout: float = 3.0,
+        next_chunk_timeout: float | None = None,
         load_state_on_start: bool = True,
         verbose: bool = False,
         **optimizer_kwargs: Any,
@@ -126,6 +129,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             averaging_timeout=averaging_timeout,
             average_state_every=average_state_every,
             load_state_timeout=load_state_timeout,
+            next_chunk_timeout=next_chunk_timeout,
             delay_state_averaging=False,
             averager_opts={"request_timeout": request_timeout},
             verbose=verbose,

@@ -13,7 +13,7 @@ from swarm.procs import group_members
 from tests.helpers import PeerProcess, port_of, read_summary
 
 RUN_ID = "pytest-swarm"
-MAX_EPOCHS = 15
+MAX_EPOCHS = 24
 
 
 def _close(a: list[float], b: list[float], rel: float = 1e-6) -> bool:

@@ -1,0 +1,89 @@
+"""HivemindStrategy in-process with a real DHT and p2p daemon on 127.0.0.1: the LR follows the global epoch,
+non-finite gradients are never applied, and teardown stops the optimizer and the DHT."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import lightning as L
+import pytest
+import torch
+
+from swarm.config import build_config
+from swarm.data import build_datasets, train_loader
+from swarm.dht import start_dht
+from swarm.model import SwarmClassifier, lr_lambda
+from swarm.procs import remove_stale_sockets
+from swarm.strategy import HivemindStrategy
+
+
+class Recorder(L.Callback):
+    def __init__(self, strategy: HivemindStrategy) -> None:
+        self.strategy, self.seen = strategy, []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, idx) -> None:
+        self.seen.append((self.strategy.local_epoch, trainer.optimizers[0].param_groups[0]["lr"]))
+
+
+class NanOnce(SwarmClassifier):
+    """Returns a NaN loss on the third step, as a bug or bad data would."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if batch_idx == 2 else loss
+
+
+def _fit(module_cls, steps: int, precision: str = "32-true", device: str = "cpu"):
+    cfg = build_config("demo", {"target_batch_size": 64, "batch_size": 32, "limit_train_samples": 512}, environ={})
+    started = time.time()
+    dht = start_dht(cfg.swarm)
+    strategy = HivemindStrategy(dht=dht, run_id="pytest-strategy", target_batch_size=64, batch_size=32,
+                                device=device, matchmaking_time=2.0, request_timeout=1.5, averaging_timeout=10.0)
+    recorder = Recorder(strategy)
+    module = module_cls(cfg.model, cfg.train)
+    trainer = L.Trainer(strategy=strategy, accelerator="gpu" if device == "cuda" else "cpu", precision=precision,
+                        max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, callbacks=[recorder], use_distributed_sampler=False)
+    train, _ = build_datasets(cfg.data, cfg.model.img_size)
+    try:
+        trainer.fit(module, train_loader(train, cfg.data, seed=0))
+    finally:
+        strategy.shutdown()
+        remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
+    return cfg, strategy, recorder, module, dht
+
+
+def test_lr_follows_the_global_epoch_and_teardown_stops_everything():
+    cfg, strategy, recorder, module, dht = _fit(SwarmClassifier, steps=8)
+    # alone, target 64 with batch 32: a global epoch every second local step
+    assert strategy.local_epoch == 4, recorder.seen
+    schedule = lr_lambda(cfg.train.warmup_epochs, cfg.train.schedule_epochs)
+    for epoch, lr in recorder.seen:
+        assert math.isclose(lr, cfg.train.lr * schedule(epoch), rel_tol=1e-6), (epoch, lr)
+    assert len({lr for _, lr in recorder.seen}) >= 3  # it really moved, once per global epoch
+    assert not dht.is_alive()
+    assert not strategy.hivemind_opt.state_averager.is_alive()
+
+
+def test_nonfinite_gradients_are_skipped_not_sent():
+    _, strategy, recorder, module, _ = _fit(NanOnce, steps=8)
+    assert strategy.skipped_nonfinite_steps == 1
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert strategy.local_epoch == 3  # 7 good batches of 32 toward a target of 64: the NaN one did not count
+
+
+def test_bf16_autocast_trains_through_hivemind():
+    _, strategy, _, module, _ = _fit(SwarmClassifier, steps=4, precision="bf16-mixed")
+    assert strategy.local_epoch == 2
+    assert all(torch.isfinite(p).all() and p.dtype == torch.float32 for p in module.parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp16_amp_with_grad_scaler_on_gpu():
+    _, strategy, _, module, _ = _fit(NanOnce, steps=8, precision="16-mixed", device="cuda")
+    # the GradScaler skips the overflowing step itself: it is neither applied nor sent
+    assert strategy.local_epoch == 3
+    assert all(torch.isfinite(p).all() for p in module.parameters())

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -32,8 +33,12 @@ def _fail_cleanly(func: Callable) -> Callable:
             sys.exit(130)
         except Exception as exc:
             known = ("DatasetError", "SwarmConnectionError", "ModelError", "MisconfigurationException")
-            if type(exc).__name__ in known or isinstance(exc, (ValueError, FileNotFoundError, PermissionError)):
-                raise click.ClickException(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+            if type(exc).__name__ in known or isinstance(
+                exc, (ValueError, FileNotFoundError, PermissionError)
+            ):
+                raise click.ClickException(
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                ) from None
             raise
 
     return wrapper
@@ -52,18 +57,39 @@ def _exit_quietly(code: int = 0) -> None:
 def swarm_options(func: Callable) -> Callable:
     """Options that every role uses to find the swarm."""
     options = [
-        click.option("--config", "config", default=None,
-                     help="YAML experiment file, or a bundled name: demo, flagship."),
-        click.option("--run-id", default=None, help="Name of the run; peers with the same run id train together."),
-        click.option("--initial-peers", multiple=True,
-                     help="Multiaddr of a running peer (repeatable). Omit to start a new swarm."),
-        click.option("--host-maddr", "host_maddrs", multiple=True,
-                     help="Listen address, e.g. /ip4/0.0.0.0/tcp/31337 (repeatable)."),
-        click.option("--announce-maddr", "announce_maddrs", multiple=True,
-                     help="Public address others dial, e.g. /ip4/<public ip>/tcp/31337 (repeatable)."),
+        click.option(
+            "--config",
+            "config",
+            default=None,
+            help="YAML experiment file, or a bundled name: demo, flagship.",
+        ),
+        click.option(
+            "--run-id", default=None, help="Name of the run; peers with the same run id train together."
+        ),
+        click.option(
+            "--initial-peers",
+            multiple=True,
+            help="Multiaddr of a running peer (repeatable). Omit to start a new swarm.",
+        ),
+        click.option(
+            "--host-maddr",
+            "host_maddrs",
+            multiple=True,
+            help="Listen address, e.g. /ip4/0.0.0.0/tcp/31337 (repeatable).",
+        ),
+        click.option(
+            "--announce-maddr",
+            "announce_maddrs",
+            multiple=True,
+            help="Public address others dial, e.g. /ip4/<public ip>/tcp/31337 (repeatable).",
+        ),
         click.option("--identity-path", default=None, help="Private key file; keeps the peer id stable."),
-        click.option("--client-mode", is_flag=True, default=None,
-                     help="Accept no incoming connections (Colab, Kaggle, home NAT)."),
+        click.option(
+            "--client-mode",
+            is_flag=True,
+            default=None,
+            help="Accept no incoming connections (Colab, Kaggle, home NAT).",
+        ),
         click.option("--log-dir", default=None, help="Root of runs/<run_id>/... [runs]."),
         click.option("--verbose", is_flag=True, help="Show hivemind's internal events."),
     ]
@@ -75,13 +101,19 @@ def swarm_options(func: Callable) -> Callable:
 def training_options(func: Callable) -> Callable:
     """Options of a training peer."""
     options = [
-        click.option("--dataset", type=click.Choice(DATASETS), default=None, help="cifar10 or digits (offline)."),
+        click.option(
+            "--dataset", type=click.Choice(DATASETS), default=None, help="cifar10 or digits (offline)."
+        ),
         click.option("--data-dir", default=None, help="Folder holding cifar-10-batches-py."),
         click.option("--download/--no-download", default=None, help="Download CIFAR-10 if missing."),
         click.option("--model", "model_name", default=None, help="timm model name [vit_base_patch32_224]."),
         click.option("--batch-size", type=int, default=None, help="Per-step batch size of this peer."),
-        click.option("--target-batch-size", type=int, default=None,
-                     help="Samples the swarm accumulates per optimizer step (global epoch)."),
+        click.option(
+            "--target-batch-size",
+            type=int,
+            default=None,
+            help="Samples the swarm accumulates per optimizer step (global epoch).",
+        ),
         click.option("--precision", type=click.Choice(PRECISIONS), default=None, help="Numeric precision."),
         click.option("--device", type=click.Choice(DEVICES), default=None, help="auto, cpu or cuda."),
         click.option("--max-epochs", type=int, default=None, help="Stop at this global epoch."),
@@ -89,12 +121,20 @@ def training_options(func: Callable) -> Callable:
         click.option("--lr", type=float, default=None, help="Peak learning rate."),
         click.option("--seed", type=int, default=None, help="This peer's shuffling seed [random]."),
         click.option("--peer-name", default=None, help="Name in logs and file names [host-pid]."),
-        click.option("--threads", type=int, default=None, help="torch threads (1 when peers share a machine)."),
+        click.option(
+            "--threads", type=int, default=None, help="torch threads (1 when peers share a machine)."
+        ),
         click.option("--eval-every", type=int, default=None, help="Validate every N global epochs."),
         click.option("--log-every", type=float, default=None, help="Seconds between progress lines."),
-        click.option("--matchmaking-time", type=float, default=None, help="Seconds to form an averaging group."),
-        click.option("--averaging-timeout", type=float, default=None, help="Seconds before an all-reduce is cancelled."),
-        click.option("--limit-train-samples", type=int, default=None, help="Train on the first N images only."),
+        click.option(
+            "--matchmaking-time", type=float, default=None, help="Seconds to form an averaging group."
+        ),
+        click.option(
+            "--averaging-timeout", type=float, default=None, help="Seconds before an all-reduce is cancelled."
+        ),
+        click.option(
+            "--limit-train-samples", type=int, default=None, help="Train on the first N images only."
+        ),
     ]
     for option in reversed(options):
         func = option(func)
@@ -132,8 +172,10 @@ def join(**params: Any) -> None:
 
     summary = run_volunteer(cfg, config_name=params.get("config"))
     val = summary.get("final_val") or {}
-    click.echo(f"Done: global epoch {summary['final_epoch']}, val acc {val.get('acc', float('nan')):.4f}, "
-               f"{summary.get('mean_samples_per_second') or 0:.1f} samples/s")
+    click.echo(
+        f"Done: global epoch {summary['final_epoch']}, val acc {val.get('acc', float('nan')):.4f}, "
+        f"{summary.get('mean_samples_per_second') or 0:.1f} samples/s"
+    )
     _exit_quietly()
 
 
@@ -163,8 +205,11 @@ def demo(peers: int, config: str, max_epochs: int | None, run_id: str | None, lo
     """Start a bootstrap peer and N training peers on 127.0.0.1 and show them training together."""
     import time
 
-    overrides = {"max_epochs": max_epochs, "run_id": run_id or f"demo-{time.strftime('%Y%m%d-%H%M%S')}",
-                 "log_dir": log_dir}
+    overrides = {
+        "max_epochs": max_epochs,
+        "run_id": run_id or f"demo-{time.strftime('%Y%m%d-%H%M%S')}",
+        "log_dir": log_dir,
+    }
     cfg = build_config(config, overrides)
     from swarm.log import setup_logging
 

@@ -29,8 +29,11 @@ def run_bootstrap(cfg: ExperimentConfig, config_name: str | None = None) -> None
     dht = None
     try:
         dht = start_dht(cfg.swarm, validators)
-        print(f"Bootstrap peer of run {cfg.swarm.run_id!r} is up. To join, run:\n"
-              f"  {join_command(dht, cfg.swarm.run_id, config_name)}", flush=True)
+        print(
+            f"Bootstrap peer of run {cfg.swarm.run_id!r} is up. To join, run:\n"
+            f"  {join_command(dht, cfg.swarm.run_id, config_name)}",
+            flush=True,
+        )
         while not stop.event.wait(1.0):
             pass
     finally:
@@ -51,8 +54,9 @@ def _pump(name: str, stream: IO[str], found: dict[str, str], ready: threading.Ev
     ready.set()
 
 
-def _start(name: str, cmd: list[str], threads: list[threading.Thread], found: dict[str, str],
-           ready: threading.Event) -> subprocess.Popen:
+def _start(
+    name: str, cmd: list[str], threads: list[threading.Thread], found: dict[str, str], ready: threading.Event
+) -> subprocess.Popen:
     proc = start_group(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     thread = threading.Thread(target=_pump, args=(name, proc.stdout, found, ready), daemon=True)
     thread.start()
@@ -71,12 +75,16 @@ def _summarise(cfg: ExperimentConfig, names: list[str]) -> list[dict]:
 
 def _print_summary(cfg: ExperimentConfig, summaries: list[dict], wall: float) -> None:
     print("\n=== demo summary ===")
-    print(f"{'peer':<10}{'global epoch':>13}{'val acc':>9}{'samples/s':>11}{'first loss':>12}{'last loss':>11}")
+    print(
+        f"{'peer':<10}{'global epoch':>13}{'val acc':>9}{'samples/s':>11}{'first loss':>12}{'last loss':>11}"
+    )
     for s in summaries:
         val = (s.get("final_val") or {}).get("acc")
-        print(f"{s['peer_name']:<10}{s['final_epoch']:>13}{(val if val is not None else float('nan')):>9.3f}"
-              f"{(s['mean_samples_per_second'] or 0):>11.1f}{(s['first_loss'] or float('nan')):>12.3f}"
-              f"{(s['last_loss'] or float('nan')):>11.3f}")
+        print(
+            f"{s['peer_name']:<10}{s['final_epoch']:>13}{(val if val is not None else float('nan')):>9.3f}"
+            f"{(s['mean_samples_per_second'] or 0):>11.1f}{(s['first_loss'] or float('nan')):>12.3f}"
+            f"{(s['last_loss'] or float('nan')):>11.3f}"
+        )
     if summaries:
         epochs = max(s["final_epoch"] for s in summaries)
         histories = [h for s in summaries for h in s["history"] if h["mini_steps"]]
@@ -85,16 +93,19 @@ def _print_summary(cfg: ExperimentConfig, summaries: list[dict], wall: float) ->
         swarm_sps = sum(s["mean_samples_per_second"] or 0 for s in summaries)
         first = summaries[0].get("initial_val")
         accs = ([(first["epoch"], first["acc"])] if first else []) + [
-            (h["epoch"], h["val_acc"]) for h in summaries[0]["history"] if "val_acc" in h]
-        print(f"global epochs: {epochs} | {per_epoch:.1f} s per global epoch | swarm {swarm_sps:.1f} samples/s "
-              f"| target batch {cfg.swarm.target_batch_size}")
+            (h["epoch"], h["val_acc"]) for h in summaries[0]["history"] if "val_acc" in h
+        ]
+        print(
+            f"global epochs: {epochs} | {per_epoch:.1f} s per global epoch | swarm {swarm_sps:.1f} samples/s "
+            f"| target batch {cfg.swarm.target_batch_size}"
+        )
         if accs:
             print("val acc by global epoch: " + ", ".join(f"{e}: {a:.3f}" for e, a in accs))
     print(f"wall time {wall:.0f} s; logs and summaries under {Path(cfg.train.log_dir) / cfg.swarm.run_id}")
 
 
 def run_demo(cfg: ExperimentConfig, config_name: str, n_peers: int) -> int:
-    """Start a bootstrap and ``n_peers`` training peers on 127.0.0.1; return 0 if every peer finished cleanly."""
+    """Start a bootstrap and ``n_peers`` training peers on 127.0.0.1; 0 if every peer finished cleanly."""
     started = time.time()
     base = [sys.executable, "-m", "peer"]
     common = ["--config", config_name, "--run-id", cfg.swarm.run_id, "--log-dir", cfg.train.log_dir]
@@ -104,16 +115,32 @@ def run_demo(cfg: ExperimentConfig, config_name: str, n_peers: int) -> int:
     ready = threading.Event()
     interrupted = False
     try:
-        procs["bootstrap"] = _start("bootstrap", base + ["bootstrap", *common,
-                                                         "--host-maddr", "/ip4/127.0.0.1/tcp/0"],
-                                    threads, found, ready)
+        procs["bootstrap"] = _start(
+            "bootstrap",
+            base + ["bootstrap", *common, "--host-maddr", "/ip4/127.0.0.1/tcp/0"],
+            threads,
+            found,
+            ready,
+        )
         if not ready.wait(120) or "join" not in found:
             log.error("The bootstrap peer did not come up; see its output above")
             return 1
         names = [f"peer{i + 1}" for i in range(n_peers)]
         for i, name in enumerate(names):
-            cmd = base + ["join", *common, "--initial-peers", found["join"], "--peer-name", name,
-                          "--seed", str(i + 1), "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--threads", "1"]
+            cmd = base + [
+                "join",
+                *common,
+                "--initial-peers",
+                found["join"],
+                "--peer-name",
+                name,
+                "--seed",
+                str(i + 1),
+                "--host-maddr",
+                "/ip4/127.0.0.1/tcp/0",
+                "--threads",
+                "1",
+            ]
             if cfg.train.max_epochs is not None:
                 cmd += ["--max-epochs", str(cfg.train.max_epochs)]
             procs[name] = _start(name, cmd, threads, {}, threading.Event())
@@ -123,7 +150,7 @@ def run_demo(cfg: ExperimentConfig, config_name: str, n_peers: int) -> int:
         print("\nCtrl-C: stopping every peer of the demo ...", flush=True)
         codes = {}
     finally:
-        for name, proc in reversed(list(procs.items())):
+        for proc in reversed(list(procs.values())):
             stop_group(proc, grace=15.0)
         for thread in threads:
             thread.join(timeout=5)

@@ -22,8 +22,8 @@ from swarm import metrics
 from swarm.config import ExperimentConfig, save_config
 from swarm.data import build_datasets, peer_seed, train_loader, val_loader
 from swarm.dht import check_addresses, join_command, start_dht, stop_dht
-from swarm.model import SwarmClassifier, evaluate, param_checksum
 from swarm.log import quiet_libraries
+from swarm.model import SwarmClassifier, evaluate, param_checksum
 from swarm.procs import GracefulStop, remove_stale_sockets
 from swarm.strategy import HivemindStrategy, lr_of
 
@@ -33,8 +33,15 @@ log = logging.getLogger(__name__)
 class SwarmReporter(L.Callback):
     """Per global epoch: publish a signed metrics record, evaluate periodically, log progress, stop."""
 
-    def __init__(self, cfg: ExperimentConfig, strategy: HivemindStrategy, public_key: bytes, peer_name: str,
-                 val_data: torch.utils.data.DataLoader, stop: GracefulStop) -> None:
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        strategy: HivemindStrategy,
+        public_key: bytes,
+        peer_name: str,
+        val_data: torch.utils.data.DataLoader,
+        stop: GracefulStop,
+    ) -> None:
         self.cfg, self.strategy, self.public_key, self.peer_name = cfg, strategy, public_key, peer_name
         self.val_data, self.stop = val_data, stop
         self.history: list[dict[str, Any]] = []
@@ -67,8 +74,9 @@ class SwarmReporter(L.Callback):
     def on_exception(self, trainer: L.Trainer, module: L.LightningModule, exception: BaseException) -> None:
         self.stop.disarm()
 
-    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any,
-                           idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
         self.window_samples += len(batch[1])
         self.line_samples += len(batch[1])
         if module.last_loss is not None:
@@ -98,8 +106,14 @@ class SwarmReporter(L.Callback):
         self.checksums[epoch] = param_checksum(module)
         sps = self.window_samples / max(time.time() - self.window_start, 1e-6)
         loss = sum(self.losses) / len(self.losses) if self.losses else float("nan")
-        entry: dict[str, Any] = {"epoch": epoch, "loss": loss, "samples_per_second": sps,
-                                 "samples": self.window_samples, "mini_steps": len(self.losses), "time": time.time()}
+        entry: dict[str, Any] = {
+            "epoch": epoch,
+            "loss": loss,
+            "samples_per_second": sps,
+            "samples": self.window_samples,
+            "mini_steps": len(self.losses),
+            "time": time.time(),
+        }
         val: dict[str, Any] = {}
         if self.stop.event.is_set():  # leaving on a signal: no evaluation, no DHT traffic, just go
             self.history.append(entry)
@@ -116,25 +130,41 @@ class SwarmReporter(L.Callback):
         device = next(module.parameters()).device
         result = evaluate(module, self.val_data, device, _autocast(self.cfg))
         self.last_val = {"epoch": epoch, **result}
-        log.info("Validation at global epoch %d: loss %.4f, acc %.4f, top-5 %.4f on %d samples (%.1f s)", epoch,
-                 result["loss"], result["acc"], result["acc_top5"], result["samples"],
-                 time.perf_counter() - started)
+        log.info(
+            "Validation at global epoch %d: loss %.4f, acc %.4f, top-5 %.4f on %d samples (%.1f s)",
+            epoch,
+            result["loss"],
+            result["acc"],
+            result["acc_top5"],
+            result["samples"],
+            time.perf_counter() - started,
+        )
         return self.last_val
 
     def _publish(self, entry: dict[str, Any], val: dict[str, Any]) -> None:
         from hivemind.utils import get_dht_time
 
         record = metrics.LocalMetrics(
-            peer_name=self.peer_name[:64], global_epoch=entry["epoch"],
+            peer_name=self.peer_name[:64],
+            global_epoch=entry["epoch"],
             samples_per_second=float(entry["samples_per_second"]),
             loss=float(entry["loss"]) if entry["mini_steps"] else 0.0,
-            samples_accumulated=int(entry["samples"]), mini_steps=int(entry["mini_steps"]), time=get_dht_time(),
-            val_epoch=val.get("epoch"), val_loss=val.get("loss"), val_acc=val.get("acc"),
+            samples_accumulated=int(entry["samples"]),
+            mini_steps=int(entry["mini_steps"]),
+            time=get_dht_time(),
+            val_epoch=val.get("epoch"),
+            val_loss=val.get("loss"),
+            val_acc=val.get("acc"),
             val_samples=int(val.get("samples", 0)),
         )
         try:
-            metrics.publish(self.strategy.dht, self.cfg.swarm.run_id, self.public_key, record,
-                            self.cfg.swarm.metrics_expiration)
+            metrics.publish(
+                self.strategy.dht,
+                self.cfg.swarm.run_id,
+                self.public_key,
+                record,
+                self.cfg.swarm.metrics_expiration,
+            )
             records = metrics.fetch(self.strategy.dht, self.cfg.swarm.run_id, self._warned)
         except Exception as exc:  # metrics are best effort; training goes on
             log.warning("Could not exchange metrics with the DHT: %s", exc)
@@ -157,9 +187,19 @@ class SwarmReporter(L.Callback):
         recent = self.losses or [h["loss"] for h in self.history[-1:] if h["mini_steps"]]
         loss = f"{sum(recent) / len(recent):.4f}" if recent else "n/a"
         val = f" | val acc {self.last_val['acc']:.3f}@{self.last_val['epoch']}" if self.last_val else ""
-        log.info("epoch %d | peers %d | %.1f samples/s%s | round %d/%d samples, next in %s | loss %s | "
-                 "lr %.2e%s", self.strategy.local_epoch, max(1, progress.num_peers), sps, swarm,
-                 progress.samples_accumulated, progress.target_batch_size, eta_text, loss, lr_of(opt), val)
+        log.info(
+            "epoch %d | peers %d | %.1f samples/s%s | round %d/%d samples, next in %s | loss %s | lr %.2e%s",
+            self.strategy.local_epoch,
+            max(1, progress.num_peers),
+            sps,
+            swarm,
+            progress.samples_accumulated,
+            progress.target_batch_size,
+            eta_text,
+            loss,
+            lr_of(opt),
+            val,
+        )
 
     def summary(self) -> dict[str, Any]:
         done = [h for h in self.history if h["mini_steps"]]
@@ -175,7 +215,9 @@ class SwarmReporter(L.Callback):
             "last_loss": done[-1]["loss"] if done else None,
             "initial_val": getattr(self, "initial_val", None),
             "final_val": self.last_val,
-            "mean_samples_per_second": (sum(h["samples_per_second"] for h in done) / len(done)) if done else None,
+            "mean_samples_per_second": (sum(h["samples_per_second"] for h in done) / len(done))
+            if done
+            else None,
             "swarm_samples_per_second": self.swarm_sps,
             "skipped_nonfinite_steps": self.strategy.skipped_nonfinite_steps,
             "seconds": time.time() - self.started if hasattr(self, "started") else 0.0,
@@ -199,15 +241,28 @@ def default_peer_name() -> str:
     return f"{socket.gethostname()[:32]}-{os.getpid()}"
 
 
-def _fit(cfg: ExperimentConfig, strategy: HivemindStrategy, reporter: SwarmReporter, module: SwarmClassifier,
-         loader: torch.utils.data.DataLoader) -> None:
+def _fit(
+    cfg: ExperimentConfig,
+    strategy: HivemindStrategy,
+    reporter: SwarmReporter,
+    module: SwarmClassifier,
+    loader: torch.utils.data.DataLoader,
+) -> None:
     """Run Lightning's fit loop under the hivemind strategy; a requested stop is not an error."""
     device = str(strategy.root_device)
     trainer = L.Trainer(
-        accelerator="gpu" if device.startswith("cuda") else "cpu", strategy=strategy,
-        precision=cfg.train.precision, max_epochs=-1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        callbacks=[reporter], use_distributed_sampler=False,
+        accelerator="gpu" if device.startswith("cuda") else "cpu",
+        strategy=strategy,
+        precision=cfg.train.precision,
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[reporter],
+        use_distributed_sampler=False,
     )
     try:
         trainer.fit(module, train_dataloaders=loader)
@@ -238,8 +293,15 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
     train_set, val_set = build_datasets(cfg.data, cfg.model.img_size)
     torch.manual_seed(seed)  # augmentation randomness differs per peer too
     module = SwarmClassifier(cfg.model, cfg.train)
-    log.info("Peer %s: %s (%.2f M parameters), %d training images, shuffling seed %d, device %s", peer_name,
-             cfg.model.model_name, sum(p.numel() for p in module.parameters()) / 1e6, len(train_set), seed, device)
+    log.info(
+        "Peer %s: %s (%.2f M parameters), %d training images, shuffling seed %d, device %s",
+        peer_name,
+        cfg.model.model_name,
+        sum(p.numel() for p in module.parameters()) / 1e6,
+        len(train_set),
+        seed,
+        device,
+    )
 
     stop, dht, strategy, reporter = GracefulStop(), None, None, None
     stop.install()
@@ -247,10 +309,16 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
         validators, public_key = metrics.make_validators(cfg.swarm.run_id)
         dht = start_dht(cfg.swarm, validators)
         strategy = HivemindStrategy(
-            dht=dht, run_id=cfg.swarm.run_id, target_batch_size=cfg.swarm.target_batch_size,
-            batch_size=cfg.data.batch_size, device=device, matchmaking_time=cfg.swarm.matchmaking_time,
-            averaging_timeout=cfg.swarm.averaging_timeout, average_state_every=cfg.swarm.average_state_every,
-            load_state_timeout=cfg.swarm.load_state_timeout, request_timeout=cfg.swarm.request_timeout,
+            dht=dht,
+            run_id=cfg.swarm.run_id,
+            target_batch_size=cfg.swarm.target_batch_size,
+            batch_size=cfg.data.batch_size,
+            device=device,
+            matchmaking_time=cfg.swarm.matchmaking_time,
+            averaging_timeout=cfg.swarm.averaging_timeout,
+            average_state_every=cfg.swarm.average_state_every,
+            load_state_timeout=cfg.swarm.load_state_timeout,
+            request_timeout=cfg.swarm.request_timeout,
             next_chunk_timeout=cfg.swarm.next_chunk_timeout,
         )
         reporter = SwarmReporter(cfg, strategy, public_key, peer_name, val_loader(val_set, cfg.data), stop)
@@ -269,5 +337,7 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
         remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
     result = reporter.summary() if reporter is not None else {"peer_name": peer_name, "final_epoch": 0}
     (out_dir / "summary.json").write_text(json.dumps(result, indent=1))
-    log.info("Left the swarm at global epoch %d; summary in %s", result["final_epoch"], out_dir / "summary.json")
+    log.info(
+        "Left the swarm at global epoch %d; summary in %s", result["final_epoch"], out_dir / "summary.json"
+    )
     return result

@@ -59,11 +59,19 @@ class ModelConfig:
             value = getattr(self, name)
             _check(value is None or value >= 1, name, value, "a positive integer or null")
         if self.patch_size is not None:
-            _check(self.img_size % self.patch_size == 0, "patch_size", self.patch_size,
-                   f"a divisor of img_size={self.img_size}")
+            _check(
+                self.img_size % self.patch_size == 0,
+                "patch_size",
+                self.patch_size,
+                f"a divisor of img_size={self.img_size}",
+            )
         if self.embed_dim is not None and self.num_heads is not None:
-            _check(self.embed_dim % self.num_heads == 0, "num_heads", self.num_heads,
-                   f"a divisor of embed_dim={self.embed_dim}")
+            _check(
+                self.embed_dim % self.num_heads == 0,
+                "num_heads",
+                self.num_heads,
+                f"a divisor of embed_dim={self.embed_dim}",
+            )
 
 
 @dataclass(frozen=True)
@@ -136,16 +144,31 @@ class SwarmConfig:
     """Seconds a published metrics record stays in the DHT; a dead peer drops out after this."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.run_id) and self.run_id.replace("-", "").replace("_", "").isalnum(), "run_id",
-               self.run_id, "letters, digits, '-' and '_'")
+        _check(
+            bool(self.run_id) and self.run_id.replace("-", "").replace("_", "").isalnum(),
+            "run_id",
+            self.run_id,
+            "letters, digits, '-' and '_'",
+        )
         _check(self.target_batch_size >= 1, "target_batch_size", self.target_batch_size, "an integer >= 1")
-        for name in ("request_timeout", "averaging_timeout", "load_state_timeout", "bootstrap_timeout",
-                     "metrics_expiration", "next_chunk_timeout"):
+        for name in (
+            "request_timeout",
+            "averaging_timeout",
+            "load_state_timeout",
+            "bootstrap_timeout",
+            "metrics_expiration",
+            "next_chunk_timeout",
+        ):
             _check(getattr(self, name) > 0, name, getattr(self, name), "a number of seconds > 0")
-        _check(self.matchmaking_time > self.request_timeout, "matchmaking_time", self.matchmaking_time,
-               f"more seconds than request_timeout={self.request_timeout} (hivemind may deadlock otherwise)")
-        _check(self.average_state_every >= 1, "average_state_every", self.average_state_every,
-               "an integer >= 1")
+        _check(
+            self.matchmaking_time > self.request_timeout,
+            "matchmaking_time",
+            self.matchmaking_time,
+            f"more seconds than request_timeout={self.request_timeout} (hivemind may deadlock otherwise)",
+        )
+        _check(
+            self.average_state_every >= 1, "average_state_every", self.average_state_every, "an integer >= 1"
+        )
 
 
 @dataclass(frozen=True)
@@ -184,8 +207,12 @@ class TrainConfig:
         _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "a number >= 0")
         _check(self.warmup_epochs >= 0, "warmup_epochs", self.warmup_epochs, "an integer >= 0")
         _check(self.schedule_epochs >= 1, "schedule_epochs", self.schedule_epochs, "an integer >= 1")
-        _check(self.max_epochs is None or self.max_epochs >= 1, "max_epochs", self.max_epochs,
-               "an integer >= 1 or null")
+        _check(
+            self.max_epochs is None or self.max_epochs >= 1,
+            "max_epochs",
+            self.max_epochs,
+            "an integer >= 1 or null",
+        )
         _check(self.max_time is None or self.max_time > 0, "max_time", self.max_time, "seconds > 0 or null")
         _check(self.precision in PRECISIONS, "precision", self.precision, f"one of {', '.join(PRECISIONS)}")
         _check(self.device in DEVICES, "device", self.device, f"one of {', '.join(DEVICES)}")
@@ -283,7 +310,9 @@ def resolve_config_path(path_or_name: str) -> Path:
     if bundled.is_file():
         return bundled
     names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-    raise ConfigError(f"config file {path_or_name!r} not found; give a YAML path or one of: {', '.join(names)}")
+    raise ConfigError(
+        f"config file {path_or_name!r} not found; give a YAML path or one of: {', '.join(names)}"
+    )
 
 
 def read_yaml(path: Path) -> dict[str, dict[str, Any]]:
@@ -298,7 +327,9 @@ def read_yaml(path: Path) -> dict[str, dict[str, Any]]:
         raise ConfigError(f"{path} must hold a mapping of sections (model, data, swarm, train)")
     for section, values in raw.items():
         if section not in _SECTION_TYPES:
-            raise ConfigError(f"{path}: unknown section {section!r}; expected one of {', '.join(_SECTION_TYPES)}")
+            raise ConfigError(
+                f"{path}: unknown section {section!r}; expected one of {', '.join(_SECTION_TYPES)}"
+            )
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: section {section!r} must be a mapping")
         for key in values:
@@ -314,7 +345,7 @@ def env_overrides(environ: typing.Mapping[str, str] | None = None) -> dict[str, 
     for key, value in environ.items():
         if not key.startswith("SWARM_"):
             continue
-        name = key[len("SWARM_"):].lower()
+        name = key[len("SWARM_") :].lower()
         if name not in FIELD_SECTION:
             raise ConfigError(f"environment variable {key} names no config field; unset it or fix the name")
         out[name] = value

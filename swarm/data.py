@@ -30,8 +30,16 @@ class DatasetError(RuntimeError):
 class TensorImageDataset(Dataset):
     """uint8 images (N, 3, H, W) with int labels; random crop (and optional flip) when ``augment``."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, mean: tuple, std: tuple, size: int,
-                 augment: bool = False, flip: bool = False) -> None:
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        mean: tuple,
+        std: tuple,
+        size: int,
+        augment: bool = False,
+        flip: bool = False,
+    ) -> None:
         self.images, self.labels, self.augment, self.flip = images, labels, augment, flip
         self.mean = torch.tensor(mean).view(3, 1, 1)
         self.std = torch.tensor(std).view(3, 1, 1)
@@ -45,12 +53,13 @@ class TensorImageDataset(Dataset):
         image = self.images[index].float().div_(255)
         size = self.size
         if image.shape[-1] != size:  # large inputs (224 px) are resized per image to save memory
-            image = F.interpolate(image.unsqueeze(0), size=(size, size), mode="bilinear",
-                                  align_corners=False).squeeze(0)
+            image = F.interpolate(
+                image.unsqueeze(0), size=(size, size), mode="bilinear", align_corners=False
+            ).squeeze(0)
         if self.augment:
             padded = F.pad(image.unsqueeze(0), [self.pad] * 4, mode="reflect").squeeze(0)
             top, left = torch.randint(0, 2 * self.pad + 1, (2,)).tolist()
-            image = padded[:, top:top + size, left:left + size]
+            image = padded[:, top : top + size, left : left + size]
             if self.flip and torch.rand(()) < 0.5:
                 image = image.flip(-1)
         return (image - self.mean) / self.std, int(self.labels[index])
@@ -90,13 +99,23 @@ def _read_cifar_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
         labels = torch.as_tensor(entry["labels"] if "labels" in entry else entry["fine_labels"]).long()
     except FileNotFoundError:
         raise
-    except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError, RuntimeError, AttributeError,
-            IndexError) as exc:
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        KeyError,
+        TypeError,
+        ValueError,
+        RuntimeError,
+        AttributeError,
+        IndexError,
+    ) as exc:
         raise DatasetError(
             f"{path} is corrupt ({type(exc).__name__}); delete {path.parent} and download CIFAR-10 again"
         ) from None
     if len(data) != len(labels) or len(labels) == 0 or int(labels.min()) < 0 or int(labels.max()) > 9:
-        raise DatasetError(f"{path} is corrupt (bad labels or sizes); delete {path.parent} and download again")
+        raise DatasetError(
+            f"{path} is corrupt (bad labels or sizes); delete {path.parent} and download again"
+        )
     return data, labels
 
 
@@ -123,8 +142,8 @@ def load_cifar10(data_dir: str, download: bool) -> tuple[torch.Tensor, ...]:
         missing = [n for n in CIFAR_TRAIN_FILES + CIFAR_TEST_FILES if not (folder / n).is_file()]
     if missing:
         raise DatasetError(
-            f"CIFAR-10 not found: {folder} lacks {', '.join(missing)}; pass --data-dir pointing at the folder "
-            f"that holds {CIFAR_FOLDER}, or allow --download on a machine with internet"
+            f"CIFAR-10 not found: {folder} lacks {', '.join(missing)}; pass --data-dir pointing at the "
+            f"folder that holds {CIFAR_FOLDER}, or allow --download on a machine with internet"
         )
     parts = [_read_cifar_batch(folder / n) for n in CIFAR_TRAIN_FILES]
     test_x, test_y = _read_cifar_batch(folder / CIFAR_TEST_FILES[0])
@@ -158,10 +177,19 @@ def peer_seed(cfg: DataConfig) -> int:
 def train_loader(dataset: Dataset, cfg: DataConfig, seed: int) -> DataLoader:
     """Shuffled, infinite-epoch training loader whose order depends only on ``seed``."""
     generator = torch.Generator().manual_seed(seed)
-    return DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, drop_last=True, generator=generator,
-                      num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0)
+    return DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        shuffle=True,
+        drop_last=True,
+        generator=generator,
+        num_workers=cfg.num_workers,
+        persistent_workers=cfg.num_workers > 0,
+    )
 
 
 def val_loader(dataset: Dataset, cfg: DataConfig) -> DataLoader:
     """Sequential validation loader."""
-    return DataLoader(dataset, batch_size=max(cfg.batch_size, 128), shuffle=False, num_workers=cfg.num_workers)
+    return DataLoader(
+        dataset, batch_size=max(cfg.batch_size, 128), shuffle=False, num_workers=cfg.num_workers
+    )

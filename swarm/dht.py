@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from swarm.config import SwarmConfig
 
@@ -36,7 +37,7 @@ def check_multiaddrs(maddrs: Sequence[str], option: str, need_peer_id: bool = Fa
             ) from None
         if need_peer_id and "p2p" not in [p.name for p in parsed.protocols()]:
             raise ValueError(
-                f"{option} {maddr!r} lacks the /p2p/<peer id> part; copy the whole line that the first peer printed"
+                f"{option} {maddr!r} lacks the /p2p/<peer id> part; copy the whole line a peer printed"
             )
 
 
@@ -47,7 +48,7 @@ def check_addresses(cfg: SwarmConfig) -> None:
     check_multiaddrs(cfg.announce_maddrs, "--announce-maddr")
 
 
-def start_dht(cfg: SwarmConfig, record_validators: Sequence = ()) -> "hivemind.DHT":
+def start_dht(cfg: SwarmConfig, record_validators: Sequence = ()) -> hivemind.DHT:
     """Start this process's DHT node (and its p2p daemon) and connect it to ``cfg.initial_peers``.
 
     Raises SwarmConnectionError with advice when the initial peers cannot be reached within
@@ -76,9 +77,9 @@ def start_dht(cfg: SwarmConfig, record_validators: Sequence = ()) -> "hivemind.D
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if cfg.initial_peers:
             raise SwarmConnectionError(
-                f"could not reach the initial peers {', '.join(cfg.initial_peers)} ({first}). Check the address "
-                "and port, that the first peer is still running, that its firewall/security group allows the "
-                "TCP port, and use --client-mode if this machine is behind NAT"
+                f"could not reach the initial peers {', '.join(cfg.initial_peers)} ({first}). Check the "
+                "address and port, that the first peer is still running, that its firewall or security group "
+                "allows the TCP port, and use --client-mode if this machine is behind NAT"
             ) from None
         raise SwarmConnectionError(
             f"could not start the p2p node on {', '.join(cfg.host_maddrs)} ({first}). Check that the port is "
@@ -86,7 +87,7 @@ def start_dht(cfg: SwarmConfig, record_validators: Sequence = ()) -> "hivemind.D
         ) from None
 
 
-def visible_maddrs(dht: "hivemind.DHT", allow_loopback: bool | None = None) -> list[str]:
+def visible_maddrs(dht: hivemind.DHT, allow_loopback: bool | None = None) -> list[str]:
     """Addresses that other peers can dial; loopback ones only if nothing else is announced."""
     addrs = [str(a) for a in dht.get_visible_maddrs()]
 
@@ -103,7 +104,7 @@ def visible_maddrs(dht: "hivemind.DHT", allow_loopback: bool | None = None) -> l
     return public
 
 
-def join_command(dht: "hivemind.DHT", run_id: str | None = None, config: str | None = None) -> str:
+def join_command(dht: hivemind.DHT, run_id: str | None = None, config: str | None = None) -> str:
     """The exact line a new peer pastes to join this swarm."""
     addrs = [a for a in visible_maddrs(dht) if "/tcp/" in a] or visible_maddrs(dht)
     line = "swarm-peer join" + "".join(f" --initial-peers {a}" for a in addrs[:1])
@@ -114,8 +115,8 @@ def join_command(dht: "hivemind.DHT", run_id: str | None = None, config: str | N
     return line
 
 
-def stop_dht(dht: "hivemind.DHT", network_alive: bool | None = None) -> None:
-    """Shut the DHT (and its p2p daemon) down; if the daemon already died, terminate the DHT process quietly."""
+def stop_dht(dht: hivemind.DHT, network_alive: bool | None = None) -> None:
+    """Shut the DHT and its p2p daemon down; if the daemon already died, terminate the DHT quietly."""
     from swarm.procs import p2p_daemon_alive
 
     if not dht.is_alive():

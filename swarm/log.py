@@ -30,16 +30,21 @@ def setup_logging(verbose: bool = False) -> None:
 
         hivemind_logging.get_logger("hivemind").setLevel(logging.INFO if verbose else logging.WARNING)
         handler = hivemind_logging._default_handler
-        if handler is not None and not verbose and not any(isinstance(f, OneLineErrors) for f in handler.filters):
+        if (
+            handler is not None
+            and not verbose
+            and not any(isinstance(f, OneLineErrors) for f in handler.filters)
+        ):
             handler.addFilter(OneLineErrors())
     except ImportError:
         pass
 
 
-def _log_unraisable(unraisable: "sys.UnraisableHookArgs") -> None:
-    """Errors that Python ignores anyway (in __del__ of hivemind objects after a shutdown) as one debug line."""
-    logging.getLogger("swarm.cleanup").debug("Ignored %s in %r: %s", type(unraisable.exc_value).__name__,
-                                             unraisable.object, unraisable.exc_value)
+def _log_unraisable(unraisable: sys.UnraisableHookArgs) -> None:
+    """Errors Python ignores anyway (in __del__ of hivemind objects after shutdown) as one debug line."""
+    logging.getLogger("swarm.cleanup").debug(
+        "Ignored %s in %r: %s", type(unraisable.exc_value).__name__, unraisable.object, unraisable.exc_value
+    )
 
 
 class OneLineErrors(logging.Filter):

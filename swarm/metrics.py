@@ -6,7 +6,7 @@ write its subkey, and SchemaValidator rejects records of the wrong shape before 
 """
 
 import logging
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import TYPE_CHECKING
 
 from pydantic.v1 import BaseModel, StrictFloat, StrictInt, confloat, conint, constr
 
@@ -37,9 +37,9 @@ class LocalMetrics(BaseModel):
     samples_accumulated: conint(ge=0, strict=True)
     mini_steps: conint(ge=0, strict=True)
     time: StrictFloat
-    val_epoch: Optional[StrictInt] = None
-    val_loss: Optional[StrictFloat] = None
-    val_acc: Optional[confloat(ge=0.0, le=1.0, strict=True)] = None
+    val_epoch: StrictInt | None = None
+    val_loss: StrictFloat | None = None
+    val_acc: confloat(ge=0.0, le=1.0, strict=True) | None = None
     val_samples: conint(ge=0, strict=True) = 0
 
 
@@ -49,7 +49,7 @@ def _schema():
     class MetricSchema(BaseModel):
         """DHT schema: the metrics key maps public keys (subkeys) to LocalMetrics."""
 
-        metrics: Dict[BytesWithPublicKey, LocalMetrics]
+        metrics: dict[BytesWithPublicKey, LocalMetrics]
 
     return MetricSchema
 
@@ -76,8 +76,9 @@ def publish(dht: "hivemind.DHT", run_id: str, public_key: bytes, record: LocalMe
     )
 
 
-def fetch(dht: "hivemind.DHT", run_id: str, warned: Optional[set] = None,
-          timeout: float = 10.0) -> Dict[bytes, LocalMetrics]:
+def fetch(
+    dht: "hivemind.DHT", run_id: str, warned: set | None = None, timeout: float = 10.0
+) -> dict[bytes, LocalMetrics]:
     """Read the live records of ``run_id``. Malformed ones are skipped with one warning per subkey.
 
     Waits at most ``timeout`` seconds (raises TimeoutError), so a dead DHT process cannot hang the caller.
@@ -86,7 +87,7 @@ def fetch(dht: "hivemind.DHT", run_id: str, warned: Optional[set] = None,
     if result is None or not isinstance(result.value, dict):
         return {}
     warned = set() if warned is None else warned
-    out: Dict[bytes, LocalMetrics] = {}
+    out: dict[bytes, LocalMetrics] = {}
     for subkey, entry in result.value.items():
         try:
             out[subkey] = LocalMetrics.parse_obj(entry.value)

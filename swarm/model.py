@@ -100,8 +100,9 @@ class SwarmClassifier(L.LightningModule):
         logits = self(images)
         loss = F.cross_entropy(logits, target, reduction="sum")
         top1, top5 = accuracy_counts(logits, target)
-        self._val_sums += torch.tensor([float(loss), top1, top5, len(target)], dtype=torch.float64,
-                                       device=self.device)
+        self._val_sums += torch.tensor(
+            [float(loss), top1, top5, len(target)], dtype=torch.float64, device=self.device
+        )
 
     def on_validation_epoch_end(self) -> None:
         sums = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum")
@@ -113,8 +114,10 @@ class SwarmClassifier(L.LightningModule):
         decay = [p for p in self.parameters() if p.ndim >= 2]
         no_decay = [p for p in self.parameters() if p.ndim < 2]
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.train_cfg.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}],
+            [
+                {"params": decay, "weight_decay": self.train_cfg.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
             lr=self.train_cfg.lr,
         )
         schedule = lr_lambda(self.train_cfg.warmup_epochs, self.train_cfg.schedule_epochs)
@@ -123,8 +126,12 @@ class SwarmClassifier(L.LightningModule):
 
 
 @torch.no_grad()
-def evaluate(module: nn.Module, loader: torch.utils.data.DataLoader, device: torch.device,
-             autocast_dtype: torch.dtype | None = None) -> dict[str, float]:
+def evaluate(
+    module: nn.Module,
+    loader: torch.utils.data.DataLoader,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None = None,
+) -> dict[str, float]:
     """Evaluate ``module`` on every batch of ``loader``; returns loss, acc, acc_top5 and samples."""
     was_training = module.training
     module.eval()

@@ -15,8 +15,9 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0
@@ -46,7 +47,7 @@ def _live_processes() -> dict[int, tuple[int, int]]:
             text = Path(stat).read_text()
         except OSError:
             continue
-        fields = text[text.rfind(")") + 2:].split()  # state, ppid, pgrp, ...
+        fields = text[text.rfind(")") + 2 :].split()  # state, ppid, pgrp, ...
         if len(fields) > 2 and fields[0] != "Z":
             out[int(stat.split("/")[2])] = (int(fields[1]), int(fields[2]))
     return out
@@ -57,8 +58,9 @@ def group_members(pgid: int) -> list[int]:
     return [pid for pid, (_, group) in _live_processes().items() if group == pgid]
 
 
-def stop_group(proc: subprocess.Popen, grace: float = 15.0, sig: int = signal.SIGTERM,
-               whole_group: bool = False) -> int | None:
+def stop_group(
+    proc: subprocess.Popen, grace: float = 15.0, sig: int = signal.SIGTERM, whole_group: bool = False
+) -> int | None:
     """Send ``sig`` to the leader of ``proc``'s group (to every member with ``whole_group``), so that it
     shuts its children down in order; SIGKILL the whole group if anything is left after ``grace``.
 
@@ -138,7 +140,7 @@ def _bound_unix_paths(exclude_own: bool = False) -> set[str]:
             except OSError:
                 continue
             if target.startswith("socket:["):
-                own.add(target[len("socket:["):-1])
+                own.add(target[len("socket:[") : -1])
     paths = set()
     try:
         with open("/proc/net/unix") as f:

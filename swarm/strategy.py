@@ -24,8 +24,9 @@ from __future__ import annotations
 import logging
 import math
 import signal
+from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -49,7 +50,7 @@ class GlobalEpochScheduler:
     hivemind has moved to a new global epoch (several times at once after loading state from peers).
     """
 
-    def __init__(self, optimizer: "hivemind.Optimizer", scheduler: Any) -> None:
+    def __init__(self, optimizer: hivemind.Optimizer, scheduler: Any) -> None:
         self.__dict__.update({k: v for k, v in scheduler.__dict__.items() if k not in ("step", "__del__")})
         self.optimizer, self.scheduler = optimizer, scheduler
 
@@ -90,8 +91,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         average_state_every: average parameters every this many global epochs.
         load_state_timeout: seconds to wait for the swarm's state when (re)joining.
         request_timeout: seconds before one averaging request counts as lost.
-        next_chunk_timeout: seconds to wait for a peer's next chunk inside an all-reduce (hivemind's default is
-            matchmaking_time); peers late by more are averaged without, and the swarm drifts apart.
+        next_chunk_timeout: seconds to wait for a peer's next chunk inside an all-reduce (hivemind's
+            default is matchmaking_time); peers late by more are averaged without, and the swarm drifts apart.
         load_state_on_start: download the swarm's newest state before the first step.
         verbose: let hivemind log its internal events at INFO level.
         optimizer_kwargs: passed on to ``hivemind.Optimizer``.
@@ -102,7 +103,7 @@ class HivemindStrategy(SingleDeviceStrategy):
     def __init__(
         self,
         *,
-        dht: "hivemind.DHT",
+        dht: hivemind.DHT,
         run_id: str,
         target_batch_size: int,
         batch_size: int,
@@ -121,7 +122,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.dht, self.run_id = dht, run_id
         self.target_batch_size, self.batch_size = target_batch_size, batch_size
         self.load_state_on_start, self.request_timeout = load_state_on_start, request_timeout
-        self.hivemind_opt: "hivemind.Optimizer | None" = None
+        self.hivemind_opt: hivemind.Optimizer | None = None
         self.skipped_nonfinite_steps = 0
         self.loaded_epoch: int | None = None
         self._optimizer_kwargs = dict(
@@ -151,7 +152,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         return self.hivemind_opt.tracker.global_progress.num_peers
 
     # ---- Lightning hooks --------------------------------------------------------------------------
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn == "fit":
             self._wrap_optimizer()
@@ -161,7 +162,9 @@ class HivemindStrategy(SingleDeviceStrategy):
         from hivemind.optim.grad_averager import GradientAverager
 
         if len(self.optimizers) != 1:
-            raise MisconfigurationException(f"HivemindStrategy needs exactly one optimizer, got {len(self.optimizers)}")
+            raise MisconfigurationException(
+                f"HivemindStrategy needs exactly one optimizer, got {len(self.optimizers)}"
+            )
         sigint = signal.getsignal(signal.SIGINT)  # hivemind's averagers set SIGINT to SIG_IGN in this process
         self.hivemind_opt = hivemind.Optimizer(
             dht=self.dht,
@@ -197,7 +200,9 @@ class HivemindStrategy(SingleDeviceStrategy):
         for config in self.lr_scheduler_configs:
             config.scheduler.step()
 
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
         plugin = self.precision_plugin
         if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)  # the scaler skips inf steps
@@ -205,8 +210,10 @@ class HivemindStrategy(SingleDeviceStrategy):
         module = model if isinstance(model, torch.nn.Module) else self.lightning_module
         if not grads_are_finite(module):
             self.skipped_nonfinite_steps += 1
-            log.warning("Skipping a step with non-finite gradients (%d so far); nothing was sent to the swarm",
-                        self.skipped_nonfinite_steps)
+            log.warning(
+                "Skipping a step with non-finite gradients (%d so far); nothing was sent to the swarm",
+                self.skipped_nonfinite_steps,
+            )
             module.zero_grad(set_to_none=True)
             return result
         return super().optimizer_step(optimizer, lambda: result, model, **kwargs)

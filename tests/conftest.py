@@ -10,8 +10,8 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
-from swarm.procs import group_members, remove_stale_sockets, stale_sockets  # noqa: E402
-from tests.helpers import PeerProcess  # noqa: E402
+from swarm.procs import group_members, remove_stale_sockets, stale_sockets
+from tests.helpers import PeerProcess
 
 
 @pytest.fixture(autouse=True)

@@ -18,11 +18,16 @@ JOIN_RE = re.compile(r"swarm-peer join --initial-peers (\S+)")
 class PeerProcess:
     """A `python -m peer ...` process in its own process group, with its output collected line by line."""
 
-    def __init__(self, name: str, args: list[str], registry: list["PeerProcess"]) -> None:
+    def __init__(self, name: str, args: list[str], registry: list[PeerProcess]) -> None:
         self.name, self.args = name, args
         self.lines: list[str] = []
-        self.proc = start_group([sys.executable, "-m", "peer", *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.proc = start_group(
+            [sys.executable, "-m", "peer", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+        )
         registry.append(self)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -53,8 +58,9 @@ class PeerProcess:
             if self.proc.poll() is not None and not self._reader.is_alive():
                 break
             time.sleep(0.2)
-        raise AssertionError(f"{self.name}: no line matching {pattern!r} within {timeout}s; output:\n"
-                             + self.output()[-6000:])
+        raise AssertionError(
+            f"{self.name}: no line matching {pattern!r} within {timeout}s; output:\n" + self.output()[-6000:]
+        )
 
     def join_address(self, timeout: float = 120) -> str:
         return self.wait_for(JOIN_RE.pattern, timeout).group(1)
@@ -63,8 +69,9 @@ class PeerProcess:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{self.name} did not finish within {timeout}s; output:\n"
-                                 + self.output()[-6000:]) from None
+            raise AssertionError(
+                f"{self.name} did not finish within {timeout}s; output:\n" + self.output()[-6000:]
+            ) from None
 
     def stop(self, grace: float = 15.0) -> int | None:
         code = stop_group(self.proc, grace=grace)

@@ -26,12 +26,15 @@ def test_bundled_configs_resolve():
     assert flagship.model.model_name == "vit_base_patch32_224" and flagship.model.img_size == 224
 
 
-@pytest.mark.parametrize("text, message", [
-    ("data:\n  batch_sise: 3\n", "unknown key data.batch_sise"),
-    ("dataa:\n  batch_size: 3\n", "unknown section"),
-    ("data:\n  batch_size: [1\n", "not valid YAML"),
-    ("data:\n  batch_size: 3.5\n", "not a valid int"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("data:\n  batch_sise: 3\n", "unknown key data.batch_sise"),
+        ("dataa:\n  batch_size: 3\n", "unknown section"),
+        ("data:\n  batch_size: [1\n", "not valid YAML"),
+        ("data:\n  batch_size: 3.5\n", "not a valid int"),
+    ],
+)
 def test_bad_yaml_is_rejected(tmp_path, text, message):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
@@ -44,14 +47,17 @@ def test_unknown_env_var_is_an_error():
         build_config(None, environ={"SWARM_BATCHSIZE": "4"})
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"batch_size": 64, "target_batch_size": 32}, "smaller than batch_size"),
-    ({"averaging_timeout": -1.0}, "averaging_timeout=-1.0"),
-    ({"matchmaking_time": 2.0, "request_timeout": 3.0}, "matchmaking_time"),
-    ({"precision": "16-mixed", "device": "cpu"}, "precision"),
-    ({"run_id": "bad id!"}, "run_id"),
-    ({"patch_size": 5, "img_size": 32}, "patch_size"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"batch_size": 64, "target_batch_size": 32}, "smaller than batch_size"),
+        ({"averaging_timeout": -1.0}, "averaging_timeout=-1.0"),
+        ({"matchmaking_time": 2.0, "request_timeout": 3.0}, "matchmaking_time"),
+        ({"precision": "16-mixed", "device": "cpu"}, "precision"),
+        ({"run_id": "bad id!"}, "run_id"),
+        ({"patch_size": 5, "img_size": 32}, "patch_size"),
+    ],
+)
 def test_invalid_values_name_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
         build_config(None, overrides, environ={})
@@ -73,15 +79,18 @@ def test_resolved_config_roundtrips_through_yaml(tmp_path):
     assert again == cfg
 
 
-@pytest.mark.parametrize("args, message", [
-    (["join", "--batch-size", "0"], "batch_size=0"),
-    (["join", "--precision", "fp8"], "Invalid value for '--precision'"),
-    (["join", "--config", "no-such-config"], "not found"),
-    (["join", "--target-batch-size", "8", "--batch-size", "16"], "smaller than batch_size"),
-    (["join", "--averaging-timeout", "-5"], "averaging_timeout"),
-    (["join", "--no-such-flag"], "No such option"),
-    (["demo", "--peers", "0"], "Invalid value for '--peers'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["join", "--batch-size", "0"], "batch_size=0"),
+        (["join", "--precision", "fp8"], "Invalid value for '--precision'"),
+        (["join", "--config", "no-such-config"], "not found"),
+        (["join", "--target-batch-size", "8", "--batch-size", "16"], "smaller than batch_size"),
+        (["join", "--averaging-timeout", "-5"], "averaging_timeout"),
+        (["join", "--no-such-flag"], "No such option"),
+        (["demo", "--peers", "0"], "Invalid value for '--peers'"),
+    ],
+)
 def test_bad_flags_give_a_usage_error_not_a_traceback(args, message):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2, result.output
@@ -90,8 +99,9 @@ def test_bad_flags_give_a_usage_error_not_a_traceback(args, message):
 
 
 def test_malformed_multiaddr_is_one_line_error(tmp_path):
-    result = CliRunner().invoke(main, ["join", "--config", "demo", "--initial-peers", "not-an-address",
-                                       "--log-dir", str(tmp_path)])
+    result = CliRunner().invoke(
+        main, ["join", "--config", "demo", "--initial-peers", "not-an-address", "--log-dir", str(tmp_path)]
+    )
     assert result.exit_code == 1, result.output
     assert "not a multiaddr" in result.output and "Traceback" not in result.output
 

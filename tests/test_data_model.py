@@ -71,8 +71,21 @@ def test_cli_reports_missing_dataset_in_one_line(tmp_path):
 
     from peer.cli import main
 
-    result = CliRunner().invoke(main, ["join", "--config", "demo", "--dataset", "cifar10", "--data-dir",
-                                       str(tmp_path / "empty"), "--no-download", "--log-dir", str(tmp_path)])
+    result = CliRunner().invoke(
+        main,
+        [
+            "join",
+            "--config",
+            "demo",
+            "--dataset",
+            "cifar10",
+            "--data-dir",
+            str(tmp_path / "empty"),
+            "--no-download",
+            "--log-dir",
+            str(tmp_path),
+        ],
+    )
     assert result.exit_code == 1
     assert "CIFAR-10 not found" in result.output and "Traceback" not in result.output
 
@@ -88,7 +101,10 @@ def test_digits_set_is_embedded_and_split():
 def test_each_peer_shuffles_with_its_own_seed():
     cfg = build_config("demo", environ={})
     train, _ = build_datasets(cfg.data, cfg.model.img_size)
-    first = lambda seed: next(iter(train_loader(train, cfg.data, seed)))[1].tolist()  # noqa: E731
+
+    def first(seed):
+        return next(iter(train_loader(train, cfg.data, seed)))[1].tolist()
+
     assert first(1) == first(1)
     assert first(1) != first(2)
 
@@ -96,7 +112,8 @@ def test_each_peer_shuffles_with_its_own_seed():
 def test_model_init_is_shared_through_the_seed():
     cfg = build_config("demo", environ={}).model
     a, b = create_model(cfg), create_model(cfg)
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    pairs = zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    assert all(torch.equal(x, y) for x, y in pairs)
     other = create_model(ModelConfig(**{**cfg.__dict__, "init_seed": 1}))
     assert not torch.equal(next(iter(a.parameters())), next(iter(other.parameters())))
     out = a(torch.zeros(2, 3, 32, 32))
@@ -118,15 +135,24 @@ def test_lr_schedule_warms_up_then_decays():
     values = [f(s) for s in range(20)]
     assert values[0] < values[3] < values[4] == pytest.approx(1.0)
     assert values[14] == pytest.approx(0.05) and values[19] == pytest.approx(0.05)
-    assert all(a >= b for a, b in zip(values[4:], values[5:]))
+    assert all(a >= b for a, b in zip(values[4:], values[5:], strict=False))
 
 
 def test_metrics_record_schema_rejects_wrong_types():
+    from pydantic.v1 import ValidationError
+
     from swarm.metrics import LocalMetrics
 
-    good = dict(peer_name="p", global_epoch=3, samples_per_second=10.0, loss=2.3, samples_accumulated=64,
-                mini_steps=2, time=1.0)
+    good = dict(
+        peer_name="p",
+        global_epoch=3,
+        samples_per_second=10.0,
+        loss=2.3,
+        samples_accumulated=64,
+        mini_steps=2,
+        time=1.0,
+    )
     assert LocalMetrics.parse_obj(good).global_epoch == 3
     for bad in ({"global_epoch": "3"}, {"loss": "high"}, {"samples_per_second": -1.0}, {"val_acc": 1.5}):
-        with pytest.raises(Exception):
+        with pytest.raises(ValidationError):
             LocalMetrics.parse_obj({**good, **bad})

@@ -1,4 +1,4 @@
-"""A peer's life outside the happy path: SIGTERM/SIGINT (spot reclaim, Ctrl-C) and unreachable initial peers."""
+"""A peer's life off the happy path: SIGTERM/SIGINT (spot reclaim, Ctrl-C) and unreachable initial peers."""
 
 from __future__ import annotations
 
@@ -29,12 +29,27 @@ def _signal_group_and_time_exit(peer: PeerProcess, sig: int, limit: float) -> tu
 
 
 def test_sigterm_and_sigint_leave_cleanly(peers, tmp_path):
-    common = ["--config", "demo", "--run-id", "pytest-signals", "--log-dir", str(tmp_path),
-              "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--log-every", "1", "--threads", "1", "--max-epochs", "100000"]
+    common = [
+        "--config",
+        "demo",
+        "--run-id",
+        "pytest-signals",
+        "--log-dir",
+        str(tmp_path),
+        "--host-maddr",
+        "/ip4/127.0.0.1/tcp/0",
+        "--log-every",
+        "1",
+        "--threads",
+        "1",
+        "--max-epochs",
+        "100000",
+    ]
     first = PeerProcess("first", ["join", *common, "--peer-name", "first", "--seed", "1"], peers)
     address = first.join_address(timeout=120)
-    second = PeerProcess("second", ["join", *common, "--peer-name", "second", "--seed", "2",
-                                    "--initial-peers", address], peers)
+    second = PeerProcess(
+        "second", ["join", *common, "--peer-name", "second", "--seed", "2", "--initial-peers", address], peers
+    )
     second.wait_for(r"\| epoch \d+ \| peers 2", timeout=180)
 
     code, seconds = _signal_group_and_time_exit(second, signal.SIGTERM, limit=10)
@@ -55,15 +70,28 @@ def test_sigterm_and_sigint_leave_cleanly(peers, tmp_path):
     assert seconds < 10, f"SIGINT took {seconds:.1f}s\n" + first.output()[-5000:]
     both = first.output() + "\n" + second.output()
     where = both.find("Traceback")
-    assert where < 0, both[max(0, where - 500):where + 3000]
+    assert where < 0, both[max(0, where - 500) : where + 3000]
 
 
 def test_unreachable_initial_peer_is_a_clear_error(peers, tmp_path):
     address = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{VALID_PEER_ID}"
     os.environ["SWARM_BOOTSTRAP_TIMEOUT"] = "5"
     try:
-        peer = PeerProcess("lonely", ["join", "--config", "demo", "--initial-peers", address,
-                                      "--log-dir", str(tmp_path), "--host-maddr", "/ip4/127.0.0.1/tcp/0"], peers)
+        peer = PeerProcess(
+            "lonely",
+            [
+                "join",
+                "--config",
+                "demo",
+                "--initial-peers",
+                address,
+                "--log-dir",
+                str(tmp_path),
+                "--host-maddr",
+                "/ip4/127.0.0.1/tcp/0",
+            ],
+            peers,
+        )
     finally:
         del os.environ["SWARM_BOOTSTRAP_TIMEOUT"]
     started = time.time()

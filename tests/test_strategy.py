@@ -35,17 +35,36 @@ class NanOnce(SwarmClassifier):
 
 
 def _fit(module_cls, steps: int, precision: str = "32-true", device: str = "cpu"):
-    cfg = build_config("demo", {"target_batch_size": 64, "batch_size": 32, "limit_train_samples": 512}, environ={})
+    cfg = build_config(
+        "demo", {"target_batch_size": 64, "batch_size": 32, "limit_train_samples": 512}, environ={}
+    )
     started = time.time()
     dht = start_dht(cfg.swarm)
-    strategy = HivemindStrategy(dht=dht, run_id="pytest-strategy", target_batch_size=64, batch_size=32,
-                                device=device, matchmaking_time=2.0, request_timeout=1.5, averaging_timeout=10.0)
+    strategy = HivemindStrategy(
+        dht=dht,
+        run_id="pytest-strategy",
+        target_batch_size=64,
+        batch_size=32,
+        device=device,
+        matchmaking_time=2.0,
+        request_timeout=1.5,
+        averaging_timeout=10.0,
+    )
     recorder = Recorder(strategy)
     module = module_cls(cfg.model, cfg.train)
-    trainer = L.Trainer(strategy=strategy, accelerator="gpu" if device == "cuda" else "cpu", precision=precision,
-                        max_steps=steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, callbacks=[recorder], use_distributed_sampler=False)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="gpu" if device == "cuda" else "cpu",
+        precision=precision,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[recorder],
+        use_distributed_sampler=False,
+    )
     train, _ = build_datasets(cfg.data, cfg.model.img_size)
     try:
         trainer.fit(module, train_loader(train, cfg.data, seed=0))
@@ -56,7 +75,7 @@ def _fit(module_cls, steps: int, precision: str = "32-true", device: str = "cpu"
 
 
 def test_lr_follows_the_global_epoch_and_teardown_stops_everything():
-    cfg, strategy, recorder, module, dht = _fit(SwarmClassifier, steps=8)
+    cfg, strategy, recorder, _, dht = _fit(SwarmClassifier, steps=8)
     # alone, target 64 with batch 32: a global epoch every second local step
     assert strategy.local_epoch == 4, recorder.seen
     schedule = lr_lambda(cfg.train.warmup_epochs, cfg.train.schedule_epochs)
@@ -68,7 +87,7 @@ def test_lr_follows_the_global_epoch_and_teardown_stops_everything():
 
 
 def test_nonfinite_gradients_are_skipped_not_sent():
-    _, strategy, recorder, module, _ = _fit(NanOnce, steps=8)
+    _, strategy, _, module, _ = _fit(NanOnce, steps=8)
     assert strategy.skipped_nonfinite_steps == 1
     assert all(torch.isfinite(p).all() for p in module.parameters())
     assert strategy.local_epoch == 3  # 7 good batches of 32 toward a target of 64: the NaN one did not count

@@ -1,4 +1,4 @@
-"""The multi-peer localhost test: a bootstrap and real `swarm-peer join` processes train together on 127.0.0.1.
+"""The multi-peer localhost test: a bootstrap and real `swarm-peer join` peers train together on 127.0.0.1.
 
 Small ViT on the embedded digits set, through the real CLI, with real hivemind DHTs and p2p daemons.
 """
@@ -17,7 +17,7 @@ MAX_EPOCHS = 24
 
 
 def _close(a: list[float], b: list[float], rel: float = 1e-6) -> bool:
-    return all(math.isclose(x, y, rel_tol=rel, abs_tol=rel) for x, y in zip(a, b))
+    return all(math.isclose(x, y, rel_tol=rel, abs_tol=rel) for x, y in zip(a, b, strict=False))
 
 
 def _port_closed(port: int) -> bool:
@@ -27,16 +27,43 @@ def _port_closed(port: int) -> bool:
 
 
 def test_peers_train_together(peers, tmp_path):
-    common = ["--config", "demo", "--run-id", RUN_ID, "--log-dir", str(tmp_path),
-              "--host-maddr", "/ip4/127.0.0.1/tcp/0"]
+    common = [
+        "--config",
+        "demo",
+        "--run-id",
+        RUN_ID,
+        "--log-dir",
+        str(tmp_path),
+        "--host-maddr",
+        "/ip4/127.0.0.1/tcp/0",
+    ]
     boot = PeerProcess("bootstrap", ["bootstrap", *common], peers)
     address = boot.join_address(timeout=120)
     ports = [port_of(address)]
 
     def start_peer(i: int) -> PeerProcess:
-        return PeerProcess(f"peer{i}", ["join", *common, "--initial-peers", address, "--peer-name", f"peer{i}",
-                                        "--seed", str(i), "--max-epochs", str(MAX_EPOCHS), "--log-every", "1",
-                                        "--eval-every", "4", "--threads", "1"], peers)
+        return PeerProcess(
+            f"peer{i}",
+            [
+                "join",
+                *common,
+                "--initial-peers",
+                address,
+                "--peer-name",
+                f"peer{i}",
+                "--seed",
+                str(i),
+                "--max-epochs",
+                str(MAX_EPOCHS),
+                "--log-every",
+                "1",
+                "--eval-every",
+                "4",
+                "--threads",
+                "1",
+            ],
+            peers,
+        )
 
     trainers = [start_peer(i) for i in (1, 2, 3)]
     for p in trainers:
@@ -59,14 +86,21 @@ def test_peers_train_together(peers, tmp_path):
     in_sync = [s for s in summaries.values() if s["final_epoch"] == final]
     assert len(in_sync) >= 3, {n: s["final_epoch"] for n, s in summaries.items()}
     reference = in_sync[0]["checksums"][str(final)]
-    warnings = "\n".join(f"{p.name}: {line}" for p in trainers + [late] for line in p.lines
-                         if "WARN" in line or " W " in line)
+    warnings = "\n".join(
+        f"{p.name}: {line}" for p in trainers + [late] for line in p.lines if "WARN" in line or " W " in line
+    )
     for s in in_sync[1:]:
-        assert _close(s["checksums"][str(final)], reference), (s["peer_name"], s["checksums"][str(final)],
-                                                               reference, warnings)
+        assert _close(s["checksums"][str(final)], reference), (
+            s["peer_name"],
+            s["checksums"][str(final)],
+            reference,
+            warnings,
+        )
 
     # the loss fell: training loss over the last epochs (all peers) is below that of the first epochs
-    history = sorted((h["epoch"], h["loss"]) for s in summaries.values() for h in s["history"] if h["mini_steps"])
+    history = sorted(
+        (h["epoch"], h["loss"]) for s in summaries.values() for h in s["history"] if h["mini_steps"]
+    )
     early = [loss for epoch, loss in history if epoch <= 3]
     late_losses = [loss for epoch, loss in history if epoch > final - 3]
     assert sum(late_losses) / len(late_losses) < sum(early) / len(early), history
@@ -75,8 +109,13 @@ def test_peers_train_together(peers, tmp_path):
     s4 = summaries["peer4"]
     loaded = s4["loaded_epoch"]
     assert loaded is not None and loaded >= 3, loaded
-    swarm_at_load = [s["checksums"][str(e)] for s in summaries.values() if s is not s4
-                     for e in (loaded, loaded - 1) if str(e) in s["checksums"]]
+    swarm_at_load = [
+        s["checksums"][str(e)]
+        for s in summaries.values()
+        if s is not s4
+        for e in (loaded, loaded - 1)
+        if str(e) in s["checksums"]
+    ]
     assert any(_close(s4["start_checksum"], c) for c in swarm_at_load), (s4["start_checksum"], swarm_at_load)
     inits = [s["checksums"]["0"] for s in summaries.values() if "0" in s["checksums"] and s is not s4]
     assert inits and not any(_close(s4["start_checksum"], c) for c in inits), "the late peer kept its init"

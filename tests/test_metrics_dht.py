@@ -1,0 +1,76 @@
+"""The signed, schema-validated metrics record on two real DHT nodes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from swarm import metrics
+from swarm.config import SwarmConfig
+from swarm.dht import join_command, start_dht, stop_dht
+from swarm.procs import remove_stale_sockets
+
+RUN_ID = "pytest-metrics"
+
+
+def _record(**overrides) -> metrics.LocalMetrics:
+    values = {
+        "peer_name": "p",
+        "global_epoch": 3,
+        "samples_per_second": 10.0,
+        "loss": 2.3,
+        "samples_accumulated": 64,
+        "mini_steps": 2,
+        "time": get_dht_time(),
+    }
+    return metrics.LocalMetrics(**{**values, **overrides})
+
+
+@pytest.fixture
+def two_nodes():
+    started = time.time()
+    local = SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), run_id=RUN_ID)
+    validators, key_a = metrics.make_validators(RUN_ID)
+    a = start_dht(local, validators)
+    address = join_command(a).split("--initial-peers ")[1].split()[0]
+    # node B signs with its own key, as a separate machine would
+    schema_b, _ = metrics.make_validators(RUN_ID)
+    signer_b = RSASignatureValidator(RSAPrivateKey())
+    b = start_dht(
+        SwarmConfig(host_maddrs=local.host_maddrs, initial_peers=(address,), run_id=RUN_ID),
+        [schema_b[0], signer_b],
+    )
+    try:
+        yield a, key_a, b, signer_b.local_public_key
+    finally:
+        stop_dht(b)
+        stop_dht(a)
+        remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
+
+
+def test_signed_records_are_exchanged_and_bad_ones_rejected(two_nodes):
+    a, key_a, b, key_b = two_nodes
+    assert metrics.publish(a, RUN_ID, key_a, _record(peer_name="a"), expiration=30).result(timeout=10)
+    assert metrics.publish(b, RUN_ID, key_b, _record(peer_name="b", global_epoch=4), expiration=30).result(10)
+    seen = metrics.fetch(b, RUN_ID)
+    assert {r.peer_name for r in seen.values()} == {"a", "b"}
+
+    # malformed: wrong types never enter the DHT
+    bad = dict(_record(peer_name="x").dict(), global_epoch="three")
+    stored = b.store(
+        metrics.metrics_key(RUN_ID), subkey=key_b, value=bad, expiration_time=get_dht_time() + 30
+    )
+    assert not stored
+    # forged: B writes under A's key; without A's signature it is refused
+    forged = _record(peer_name="forged", loss=0.0).dict()
+    stored = b.store(
+        metrics.metrics_key(RUN_ID), subkey=key_a, value=forged, expiration_time=get_dht_time() + 30
+    )
+    assert not stored
+    seen = metrics.fetch(a, RUN_ID)
+    assert {r.peer_name for r in seen.values()} == {"a", "b"}
+    assert all(r.global_epoch in (3, 4) for r in seen.values())

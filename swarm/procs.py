@@ -58,19 +58,15 @@ def group_members(pgid: int) -> list[int]:
     return [pid for pid, (_, group) in _live_processes().items() if group == pgid]
 
 
-def stop_group(
-    proc: subprocess.Popen, grace: float = 15.0, sig: int = signal.SIGTERM, whole_group: bool = False
-) -> int | None:
-    """Send ``sig`` to the leader of ``proc``'s group (to every member with ``whole_group``), so that it
-    shuts its children down in order; SIGKILL the whole group if anything is left after ``grace``.
+def stop_group(proc: subprocess.Popen, grace: float = 15.0, sig: int = signal.SIGTERM) -> int | None:
+    """Send ``sig`` to the leader of ``proc``'s group, so that it shuts its children down in order;
+    SIGKILL the whole group if anything is left after ``grace``.
 
     Returns the leader's exit code (None if it had to be killed and could not be reaped).
     """
     pgid = proc.pid
     try:
-        if whole_group:
-            os.killpg(pgid, sig)
-        elif proc.poll() is None:
+        if proc.poll() is None:
             proc.send_signal(sig)
     except ProcessLookupError:
         pass
@@ -91,16 +87,6 @@ def stop_group(
     while group_alive(pgid) and time.time() < deadline:
         time.sleep(0.1)
     return proc.returncode
-
-
-def wait_group(proc: subprocess.Popen, timeout: float) -> bool:
-    """Wait until the leader exited and its group is gone; False on timeout."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None and not group_alive(proc.pid):
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def descendants(pid: int) -> list[int]:
@@ -207,8 +193,7 @@ class GracefulStop:
         self._previous: dict[int, Any] = {}
         self._timer: threading.Timer | None = None
         self._disarmed = False
-        self._interrupts = 0
-        self._force_at = float("inf")
+        self._interrupted = False
         self.started = time.time()
 
     def install(self) -> None:
@@ -219,17 +204,10 @@ class GracefulStop:
             self._previous.setdefault(sig, previous)
 
     def disarm(self) -> None:
-        """The role has begun its orderly shutdown: never interrupt it, but bound it (force exit after a
-        while) if a stop was requested."""
-        if self._disarmed:
-            return
+        """The role has begun its orderly shutdown: never interrupt it (the force-exit deadline stays)."""
         self._disarmed = True
         if self._timer is not None:
             self._timer.cancel()
-        if self.event.is_set():
-            self._timer = threading.Timer(3 * SHUTDOWN_GRACE_S, self._force_exit)
-            self._timer.daemon = True
-            self._timer.start()
 
     def restore(self) -> None:
         """Disarm, and put the previous handlers back (call in ``finally``)."""
@@ -254,6 +232,10 @@ class GracefulStop:
         self._timer = threading.Timer(0.5, self._watch)
         self._timer.daemon = True
         self._timer.start()
+        # last resort: if even the orderly shutdown hangs, stop our children and leave
+        force = threading.Timer(4 * SHUTDOWN_GRACE_S, self._force_exit)
+        force.daemon = True
+        force.start()
 
     def _watch(self) -> None:
         """Interrupt the main thread once the grace period is over, or at once if the p2p daemon is gone
@@ -263,19 +245,16 @@ class GracefulStop:
         if self._disarmed:
             return
         if time.time() >= self._deadline or not p2p_daemon_alive(self.owner_pid):
-            if self._interrupts == 0:
+            if not self._interrupted:
                 log.info("Interrupting the current step to leave now")
-                self._force_at = time.time() + 3 * SHUTDOWN_GRACE_S
-            self._interrupts += 1
+            self._interrupted = True
             signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
-        if self._interrupts and time.time() >= self._force_at:
-            self._force_exit()
-        self._timer = threading.Timer(1.0 if self._interrupts else 0.5, self._watch)
+        self._timer = threading.Timer(1.0 if self._interrupted else 0.5, self._watch)
         self._timer.daemon = True
         self._timer.start()
 
     def _force_exit(self) -> None:
-        log.error("Leaving did not finish within %.0f s; killing this peer's processes", 3 * SHUTDOWN_GRACE_S)
+        log.error("Leaving did not finish within %.0f s; killing this peer's processes", 4 * SHUTDOWN_GRACE_S)
         for pid in descendants(os.getpid()):
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -144,13 +144,6 @@ class HivemindStrategy(SingleDeviceStrategy):
         """This peer's global epoch (number of swarm optimizer steps it has taken part in)."""
         return self.hivemind_opt.local_epoch if self.hivemind_opt is not None else 0
 
-    @property
-    def num_peers(self) -> int:
-        """Peers currently reporting progress for this run, this one included."""
-        if self.hivemind_opt is None:
-            return 1
-        return self.hivemind_opt.tracker.global_progress.num_peers
-
     # ---- Lightning hooks --------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
@@ -218,11 +211,6 @@ class HivemindStrategy(SingleDeviceStrategy):
             return result
         return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
 
-    def finalize(self) -> None:
-        """Wait for background averaging so that the parameters are final (call before saving)."""
-        if self.hivemind_opt is not None and not self._shut_down:
-            self.hivemind_opt.state_averager.step(wait_for_delayed_updates=True)
-
     def _averagers(self) -> list:
         opt = self.hivemind_opt
         if opt is None:
@@ -244,8 +232,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             if opt is not None:
                 averagers = self._averagers()
                 if network_alive and all(a.is_alive() for a in averagers):
-                    self._finalize_quietly()
-                    opt.shutdown()
+                    opt.shutdown()  # waits for background averaging first, so the parameters are final
                 else:  # a signal to the whole group stopped p2pd or the averagers: no one to say goodbye to
                     log.info("The p2p daemon or the averagers already exited; stopping the rest directly")
                     for averager in averagers:
@@ -255,13 +242,6 @@ class HivemindStrategy(SingleDeviceStrategy):
         finally:
             log.info("Shutting down the DHT and p2p daemon")
             stop_dht(self.dht, network_alive)
-
-    def _finalize_quietly(self) -> None:
-        try:
-            assert self.hivemind_opt is not None
-            self.hivemind_opt.state_averager.step(wait_for_delayed_updates=True)
-        except Exception as exc:  # shutting down anyway; say what happened, do not mask the original error
-            log.warning("Could not finish background averaging before shutdown: %s", exc)
 
     def teardown(self) -> None:
         self.shutdown()

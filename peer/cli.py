@@ -32,7 +32,13 @@ def _fail_cleanly(func: Callable) -> Callable:
             click.echo("Interrupted.", err=True)
             sys.exit(130)
         except Exception as exc:
-            known = ("DatasetError", "SwarmConnectionError", "ModelError", "MisconfigurationException")
+            known = (
+                "DatasetError",
+                "SwarmConnectionError",
+                "ModelError",
+                "MisconfigurationException",
+                "CheckpointError",
+            )
             if type(exc).__name__ in known or isinstance(
                 exc, (ValueError, FileNotFoundError, PermissionError)
             ):
@@ -141,6 +147,26 @@ def training_options(func: Callable) -> Callable:
     return func
 
 
+def checkpoint_options(func: Callable) -> Callable:
+    """Where checkpoints are read and written."""
+    options = [
+        click.option(
+            "--checkpoint-uri",
+            default=None,
+            help="Folder for best.ckpt/last.ckpt: a path, file://... or s3://bucket/prefix "
+            "[<log-dir>/<run-id>/checkpoints].",
+        ),
+        click.option(
+            "--s3-endpoint-url",
+            default=None,
+            help="S3-compatible endpoint, e.g. http://127.0.0.1:9000 (MinIO).",
+        ),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
 def _config_from(params: dict[str, Any]):
     params = dict(params)
     config = params.pop("config", None)
@@ -158,6 +184,13 @@ def main() -> None:
 @main.command()
 @swarm_options
 @training_options
+@click.option(
+    "--resume-from",
+    default=None,
+    help="Checkpoint (path or s3:// URL) whose weights and global epoch seed the swarm; "
+    "newer swarm state wins.",
+)
+@click.option("--s3-endpoint-url", default=None, help="S3-compatible endpoint for an s3:// --resume-from.")
 @_fail_cleanly
 def join(**params: Any) -> None:
     """Join a swarm (or start one) and train until the stop condition.
@@ -191,6 +224,68 @@ def bootstrap(**params: Any) -> None:
     from peer.demo import run_bootstrap
 
     run_bootstrap(cfg, config_name=params.get("config"))
+    _exit_quietly()
+
+
+@main.command()
+@swarm_options
+@click.option(
+    "--dataset",
+    type=click.Choice(DATASETS),
+    default=None,
+    help="Validation data: cifar10 or digits (offline).",
+)
+@click.option("--data-dir", default=None, help="Folder holding cifar-10-batches-py.")
+@click.option("--download/--no-download", default=None, help="Download CIFAR-10 if missing.")
+@click.option("--model", "model_name", default=None, help="timm model name; must match the swarm's.")
+@click.option(
+    "--device", type=click.Choice(DEVICES), default=None, help="Where to evaluate: auto, cpu or cuda."
+)
+@click.option("--precision", type=click.Choice(PRECISIONS), default=None, help="Evaluation precision.")
+@click.option("--threads", type=int, default=None, help="torch threads.")
+@click.option(
+    "--evaluate-every", type=int, default=None, help="Evaluate the swarm's model every N global epochs."
+)
+@click.option("--poll-every", type=float, default=None, help="Seconds between reads of the peers' metrics.")
+@checkpoint_options
+@_fail_cleanly
+def monitor(**params: Any) -> None:
+    """Watch a swarm: metrics into TensorBoard, the swarm's model evaluated, best/last checkpoints kept.
+
+    It never trains. Without --initial-peers it starts the swarm and prints the line that peers paste.
+    Stop it with Ctrl-C; a restarted monitor appends to the same TensorBoard run.
+    """
+    cfg = _config_from(params)
+    from swarm.log import setup_logging
+
+    setup_logging(params["verbose"])
+    from monitor.role import run_monitor  # heavy: torch, timm, hivemind, tensorboard
+
+    summary = run_monitor(cfg, config_name=params.get("config"))
+    click.echo(
+        f"Monitor done: last global epoch {summary['last_step']}, best val acc "
+        f"{summary['best_acc'] if summary['best_acc'] is not None else 'n/a'}; "
+        f"tensorboard --logdir {summary['logdir']}"
+    )
+    _exit_quietly()
+
+
+@main.command()
+@swarm_options
+@click.option("--target-batch-size", type=int, default=None, help="Used only if the peers do not report it.")
+@click.option(
+    "--timeout", type=click.FloatRange(1.0), default=15.0, show_default=True, help="Seconds to wait."
+)
+@_fail_cleanly
+def status(timeout: float, **params: Any) -> None:
+    """Print a one-screen summary of a running swarm (peers, epoch, speed, progress, accuracy)."""
+    cfg = _config_from({**params, "bootstrap_timeout": timeout})
+    from swarm.log import setup_logging
+
+    setup_logging(params["verbose"])
+    from monitor.status import collect, render
+
+    click.echo(render(collect(cfg, timeout=timeout)))
     _exit_quietly()
 
 

@@ -19,11 +19,12 @@ import lightning as L
 import torch
 
 from swarm import metrics
+from swarm.checkpoint import check_compatible, load_checkpoint, load_weights
 from swarm.config import ExperimentConfig, save_config
 from swarm.data import build_datasets, peer_seed, train_loader, val_loader
 from swarm.dht import check_addresses, join_command, start_dht, stop_dht
 from swarm.log import quiet_libraries
-from swarm.model import SwarmClassifier, evaluate, param_checksum
+from swarm.model import SwarmClassifier, evaluate, param_checksum, resolve_device
 from swarm.procs import GracefulStop, remove_stale_sockets
 from swarm.strategy import HivemindStrategy, lr_of
 
@@ -156,6 +157,7 @@ class SwarmReporter(L.Callback):
             val_loss=val.get("loss"),
             val_acc=val.get("acc"),
             val_samples=int(val.get("samples", 0)),
+            target_batch_size=self.cfg.swarm.target_batch_size,
         )
         try:
             metrics.publish(
@@ -228,13 +230,21 @@ def _autocast(cfg: ExperimentConfig) -> torch.dtype | None:
     return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(cfg.train.precision)
 
 
-def resolve_device(requested: str) -> str:
-    """'auto' means CUDA when present; asking for CUDA on a machine without it is an error."""
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA GPU is visible; use --device cpu or auto")
-    return requested
+def _load_resume(cfg: ExperimentConfig, module: SwarmClassifier) -> dict[str, Any]:
+    """Load ``--resume-from`` into ``module`` (weights); returns the checkpoint ({} without one)."""
+    url = cfg.checkpoint.resume_from
+    if not url:
+        return {}
+    payload = load_checkpoint(url, cfg.checkpoint.s3_endpoint_url)
+    check_compatible(payload, cfg.model, url)
+    load_weights(module.net, payload, url)
+    log.info(
+        "Loaded %s: global epoch %d, val acc %s",
+        url,
+        payload["global_epoch"],
+        payload.get("metrics", {}).get("val/acc", "n/a"),
+    )
+    return payload
 
 
 def default_peer_name() -> str:
@@ -293,6 +303,7 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
     train_set, val_set = build_datasets(cfg.data, cfg.model.img_size)
     torch.manual_seed(seed)  # augmentation randomness differs per peer too
     module = SwarmClassifier(cfg.model, cfg.train)
+    resume = _load_resume(cfg, module)
     log.info(
         "Peer %s: %s (%.2f M parameters), %d training images, shuffling seed %d, device %s",
         peer_name,
@@ -320,6 +331,8 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
             load_state_timeout=cfg.swarm.load_state_timeout,
             request_timeout=cfg.swarm.request_timeout,
             next_chunk_timeout=cfg.swarm.next_chunk_timeout,
+            resume_epoch=resume.get("global_epoch"),
+            resume_optimizer_state=resume.get("optimizer"),
         )
         reporter = SwarmReporter(cfg, strategy, public_key, peer_name, val_loader(val_set, cfg.data), stop)
         print(f"To join this swarm, run:\n  {join_command(dht, cfg.swarm.run_id, config_name)}", flush=True)

@@ -224,6 +224,47 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """Where checkpoints are written and read: a local path, file://... or s3://bucket/prefix."""
+
+    checkpoint_uri: str | None = None
+    """Folder (URL) for best.ckpt and last.ckpt; default <log_dir>/<run_id>/checkpoints."""
+    s3_endpoint_url: str | None = None
+    """S3-compatible endpoint (MinIO, Ceph, a test server); credentials come from the AWS_* variables."""
+    resume_from: str | None = None
+    """Checkpoint (path or URL) whose weights and global epoch seed a new swarm (`join --resume-from`)."""
+
+    def __post_init__(self) -> None:
+        for name in ("checkpoint_uri", "resume_from"):
+            value = getattr(self, name)
+            _check(value is None or bool(value.strip()), name, value, "a path or URL, or null")
+        url = self.s3_endpoint_url
+        _check(
+            url is None or url.startswith(("http://", "https://")),
+            "s3_endpoint_url",
+            url,
+            "an http:// or https:// URL, e.g. http://127.0.0.1:9000",
+        )
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """The monitor peer: how often it reads the DHT and evaluates the swarm's model."""
+
+    evaluate_every: int = 5
+    """Download the swarm's parameters and evaluate them every this many global epochs."""
+    poll_every: float = 2.0
+    """Seconds between reads of the peers' metrics records; keep it well below one global epoch."""
+    settle_time: float = 5.0
+    """Seconds to wait after the swarm reaches epoch E+1 before writing epoch E (late records still count)."""
+
+    def __post_init__(self) -> None:
+        _check(self.evaluate_every >= 1, "evaluate_every", self.evaluate_every, "an integer >= 1")
+        _check(self.poll_every > 0, "poll_every", self.poll_every, "seconds > 0")
+        _check(self.settle_time >= 0, "settle_time", self.settle_time, "seconds >= 0")
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     """The whole experiment: everything a role needs, resolved and validated."""
 
@@ -231,6 +272,8 @@ class ExperimentConfig:
     data: DataConfig = field(default_factory=DataConfig)
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     def __post_init__(self) -> None:
         if self.swarm.target_batch_size < self.data.batch_size:
@@ -247,8 +290,22 @@ class ExperimentConfig:
             out[section.name] = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
         return out
 
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where best.ckpt and last.ckpt live (a path or URL)."""
+        return self.checkpoint.checkpoint_uri or str(
+            Path(self.train.log_dir) / self.swarm.run_id / "checkpoints"
+        )
 
-_SECTION_TYPES = {"model": ModelConfig, "data": DataConfig, "swarm": SwarmConfig, "train": TrainConfig}
+
+_SECTION_TYPES = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "swarm": SwarmConfig,
+    "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
+    "monitor": MonitorConfig,
+}
 FIELD_SECTION: dict[str, str] = {
     f.name: section for section, cls in _SECTION_TYPES.items() for f in dataclasses.fields(cls)
 }
@@ -324,7 +381,7 @@ def read_yaml(path: Path) -> dict[str, dict[str, Any]]:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path} must hold a mapping of sections (model, data, swarm, train)")
+        raise ConfigError(f"{path} must hold a mapping of sections ({', '.join(_SECTION_TYPES)})")
     for section, values in raw.items():
         if section not in _SECTION_TYPES:
             raise ConfigError(

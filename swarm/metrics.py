@@ -5,13 +5,16 @@ key as the subkey. hivemind's RSASignatureValidator signs the record, so only th
 write its subkey, and SchemaValidator rejects records of the wrong shape before they enter the DHT.
 """
 
+import hashlib
 import logging
 from typing import TYPE_CHECKING
 
+from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
 from pydantic.v1 import BaseModel, StrictFloat, StrictInt, confloat, conint, constr
 
 if TYPE_CHECKING:
     import hivemind
+    from hivemind.utils.crypto import RSAPrivateKey
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,7 @@ class LocalMetrics(BaseModel):
     val_loss: StrictFloat | None = None
     val_acc: confloat(ge=0.0, le=1.0, strict=True) | None = None
     val_samples: conint(ge=0, strict=True) = 0
+    target_batch_size: conint(ge=1, strict=True) | None = None
 
 
 def _schema():
@@ -54,13 +58,53 @@ def _schema():
     return MetricSchema
 
 
-def make_validators(run_id: str) -> tuple[list, bytes]:
-    """Validators for the DHT of ``run_id`` and this process's public key (the subkey it writes)."""
+class AuditingValidator(RecordValidatorBase):
+    """Applies the schema and signature validators and warns once per sender whose record it rejects.
+
+    hivemind logs rejected records at DEBUG only, so a forged or malformed record would vanish silently.
+    Validators that hivemind adds later (the optimizer's progress schema and signature) are absorbed into
+    the same chain, so records are still signed exactly once.
+    """
+
+    def __init__(self, validators: list) -> None:
+        self.inner = CompositeValidator(validators)
+        self.warned: set[bytes] = set()
+
+    def validate(self, record: DHTRecord) -> bool:
+        if self.inner.validate(record):
+            return True
+        who = record.subkey if record.subkey else record.key
+        if who not in self.warned:
+            self.warned.add(who)
+            log.warning(
+                "Ignoring a DHT record that fails its signature or schema check (forged or malformed; sender "
+                "key %s); further records from that key are dropped silently",
+                hashlib.sha256(who).hexdigest()[:10],
+            )
+        return False
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        return self.inner.sign_value(record)
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        return self.inner.strip_value(record)
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        self.inner.extend([other])
+        return True
+
+
+def make_validators(run_id: str, private_key: "RSAPrivateKey | None" = None) -> tuple[list, bytes]:
+    """Validators for the DHT of ``run_id`` and the public key (the subkey) this process writes under.
+
+    ``private_key`` defaults to hivemind's process-wide key, which hivemind.Optimizer signs with too.
+    """
     from hivemind.dht.crypto import RSASignatureValidator
     from hivemind.dht.schema import SchemaValidator
 
-    signature = RSASignatureValidator()
-    return [SchemaValidator(_schema(), prefix=run_id), signature], signature.local_public_key
+    signature = RSASignatureValidator(private_key)
+    chain = AuditingValidator([SchemaValidator(_schema(), prefix=run_id), signature])
+    return [chain], signature.local_public_key
 
 
 def publish(dht: "hivemind.DHT", run_id: str, public_key: bytes, record: LocalMetrics, expiration: float):
@@ -95,4 +139,26 @@ def fetch(
             if subkey not in warned:
                 warned.add(subkey)
                 log.warning("Ignoring a malformed metrics record from one peer: %s", str(exc).splitlines()[0])
+    return out
+
+
+def progress_key(run_id: str) -> str:
+    """The DHT key under which hivemind.Optimizer's progress tracker publishes each peer's progress."""
+    return f"{run_id}_progress"
+
+
+def fetch_progress(dht: "hivemind.DHT", run_id: str, timeout: float = 10.0) -> list:
+    """hivemind's per-peer LocalTrainingProgress records (epoch, samples toward the next step, client)."""
+    from hivemind.optim.progress_tracker import LocalTrainingProgress
+
+    result = dht.get(progress_key(run_id), latest=True, return_future=True).result(timeout=timeout)
+    if result is None or not isinstance(result.value, dict):
+        return []
+    out = []
+    for entry in result.value.values():
+        try:
+            if entry.value is not None:
+                out.append(LocalTrainingProgress.parse_obj(entry.value))
+        except Exception:  # schema-checked by hivemind already; a bad one is simply skipped
+            continue
     return out

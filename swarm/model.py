@@ -150,6 +150,15 @@ def evaluate(
     return {"loss": total_loss / n_safe, "acc": correct / n_safe, "acc_top5": correct5 / n_safe, "samples": n}
 
 
+def resolve_device(requested: str) -> str:
+    """'auto' means CUDA when present; asking for CUDA on a machine without it is an error."""
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA GPU is visible; use --device cpu or auto")
+    return requested
+
+
 def param_checksum(module: nn.Module) -> list[float]:
     """Two float64 sums over all parameters (plain and squared): equal parameters give equal sums."""
     total, squares = 0.0, 0.0

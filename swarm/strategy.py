@@ -94,6 +94,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         next_chunk_timeout: seconds to wait for a peer's next chunk inside an all-reduce (hivemind's
             default is matchmaking_time); peers late by more are averaged without, and the swarm drifts apart.
         load_state_on_start: download the swarm's newest state before the first step.
+        resume_epoch: start at this global epoch (a checkpoint's); the swarm's state still wins if newer.
+        resume_optimizer_state: the optimizer's ``state_dict`` from that checkpoint (AdamW moments).
         verbose: let hivemind log its internal events at INFO level.
         optimizer_kwargs: passed on to ``hivemind.Optimizer``.
     """
@@ -115,6 +117,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         request_timeout: float = 3.0,
         next_chunk_timeout: float | None = None,
         load_state_on_start: bool = True,
+        resume_epoch: int | None = None,
+        resume_optimizer_state: dict | None = None,
         verbose: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
@@ -125,6 +129,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.hivemind_opt: hivemind.Optimizer | None = None
         self.skipped_nonfinite_steps = 0
         self.loaded_epoch: int | None = None
+        self.resume_epoch, self.resume_optimizer_state = resume_epoch, resume_optimizer_state
         self._optimizer_kwargs = dict(
             matchmaking_time=matchmaking_time,
             averaging_timeout=averaging_timeout,
@@ -158,6 +163,13 @@ class HivemindStrategy(SingleDeviceStrategy):
             raise MisconfigurationException(
                 f"HivemindStrategy needs exactly one optimizer, got {len(self.optimizers)}"
             )
+        if self.resume_optimizer_state is not None:
+            try:
+                self.optimizers[0].load_state_dict(self.resume_optimizer_state)
+            except (ValueError, KeyError) as exc:
+                raise MisconfigurationException(
+                    f"the checkpoint's optimizer state does not fit: {exc}"
+                ) from None
         sigint = signal.getsignal(signal.SIGINT)  # hivemind's averagers set SIGINT to SIG_IGN in this process
         self.hivemind_opt = hivemind.Optimizer(
             dht=self.dht,
@@ -177,8 +189,21 @@ class HivemindStrategy(SingleDeviceStrategy):
                 raise MisconfigurationException("ReduceLROnPlateau is not supported by HivemindStrategy")
             config.scheduler = GlobalEpochScheduler(self.hivemind_opt, config.scheduler)  # type: ignore[assignment]
         self.optimizers = [self.hivemind_opt]
+        if self.resume_epoch:
+            self._start_at_epoch(self.resume_epoch)
         if self.load_state_on_start:
             self.load_state_from_peers()
+
+    def _start_at_epoch(self, epoch: int) -> None:
+        """Make this peer's optimizer (and what it announces to the swarm) start at global epoch ``epoch``."""
+        opt = self.hivemind_opt
+        assert opt is not None
+        opt.state_averager.local_epoch = epoch
+        with opt.tracker.pause_updates():
+            opt.tracker.update_epoch(epoch)
+        if not opt.client_mode:
+            opt.state_averager.state_sharing_priority = epoch
+        log.info("Resuming at global epoch %d from the checkpoint", epoch)
 
     def load_state_from_peers(self) -> None:
         """Download the newest parameters and optimizer state from the swarm (no-op if alone)."""
@@ -189,7 +214,9 @@ class HivemindStrategy(SingleDeviceStrategy):
         if self.loaded_epoch != before or self.hivemind_opt.tracker.global_progress.num_peers > 1:
             log.info("Loaded the swarm's state from peers: global epoch %d", self.loaded_epoch)
         else:
-            log.info("No peer had newer state; starting from this peer's initial parameters")
+            log.info(
+                "No peer had newer state; starting from this peer's own parameters (global epoch %d)", before
+            )
         for config in self.lr_scheduler_configs:
             config.scheduler.step()
 

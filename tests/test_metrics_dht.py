@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import pytest
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
@@ -38,14 +37,13 @@ def two_nodes():
     a = start_dht(local, validators)
     address = join_command(a).split("--initial-peers ")[1].split()[0]
     # node B signs with its own key, as a separate machine would
-    schema_b, _ = metrics.make_validators(RUN_ID)
-    signer_b = RSASignatureValidator(RSAPrivateKey())
+    validators_b, key_b = metrics.make_validators(RUN_ID, RSAPrivateKey())
     b = start_dht(
         SwarmConfig(host_maddrs=local.host_maddrs, initial_peers=(address,), run_id=RUN_ID),
-        [schema_b[0], signer_b],
+        validators_b,
     )
     try:
-        yield a, key_a, b, signer_b.local_public_key
+        yield a, key_a, b, key_b
     finally:
         stop_dht(b)
         stop_dht(a)

@@ -1,0 +1,204 @@
+"""`swarm-peer monitor`: the one place where a person watches the run and where the trained model is kept.
+
+Every ``poll_every`` seconds it reads the peers' signed metrics records and writes one TensorBoard point
+per global epoch to ``runs/<run_id>/monitor``. Every ``evaluate_every`` global epochs it downloads the
+swarm's parameters, evaluates them on the full validation split (``monitor/val/*``) and keeps
+``last.ckpt`` and ``best.ckpt``. It never trains. Without --initial-peers it starts the swarm and prints
+the join line, which is how a public machine (AWS) usually bootstraps a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from monitor.aggregate import EpochAggregator, EpochPoint
+from monitor.board import Board
+from monitor.state import CheckpointKeeper, SwarmModel
+from swarm import metrics
+from swarm.checkpoint import CheckpointError
+from swarm.config import ExperimentConfig, save_config
+from swarm.data import build_datasets, val_loader
+from swarm.dht import check_addresses, join_command, start_dht, stop_dht
+from swarm.log import quiet_libraries
+from swarm.model import evaluate, resolve_device
+from swarm.procs import GracefulStop, remove_stale_sockets
+
+log = logging.getLogger(__name__)
+
+
+class Evaluator:
+    """Runs download + evaluation + checkpointing in a background thread, one at a time, so that polling
+    the DHT (and writing TensorBoard) goes on while a large model is evaluated."""
+
+    def __init__(
+        self, cfg: ExperimentConfig, model: SwarmModel, board: Board, keeper: CheckpointKeeper, loader: Any
+    ) -> None:
+        self.cfg, self.model, self.board, self.keeper, self.loader = cfg, model, board, keeper, loader
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+        self.done = 0
+
+    def due(self, swarm_epoch: int) -> bool:
+        every = self.cfg.monitor.evaluate_every
+        next_epoch = (max(self.board.last_eval_step, 0) // every + 1) * every
+        busy = self.thread is not None and self.thread.is_alive()
+        return not busy and swarm_epoch >= next_epoch
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="monitor-eval", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.evaluate_once()
+        except CheckpointError as exc:
+            log.error("Could not save a checkpoint: %s", exc)
+        except Exception:
+            log.exception("Evaluation failed; the monitor keeps logging and tries again later")
+
+    def evaluate_once(self) -> dict[str, Any] | None:
+        started = time.perf_counter()
+        epoch = self.model.refresh()
+        if epoch is None:
+            return None
+        if epoch <= self.board.last_eval_step:
+            log.info("The swarm's state is still at global epoch %d; evaluated already", epoch)
+            return None
+        net = self.model.module
+        device = next(net.parameters()).device
+        autocast = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(self.cfg.train.precision)
+        result = evaluate(net, self.loader, device, autocast)
+        with self.lock:
+            self.board.write_eval(epoch, result)
+            improved = self.keeper.save(net.net, self.model.optimizer, epoch, result)
+        self.done += 1
+        log.info(
+            "Swarm model at global epoch %d: val acc %.4f, top-5 %.4f, loss %.4f on %d images (%.1f s)%s",
+            epoch,
+            result["acc"],
+            result["acc_top5"],
+            result["loss"],
+            result["samples"],
+            time.perf_counter() - started,
+            " | new best"
+            if improved
+            else f" | best stays {self.keeper.best_acc:.4f}@{self.keeper.best_epoch}",
+        )
+        return {"epoch": epoch, **result}
+
+    def wait(self, timeout: float) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+
+def _log_point(point: EpochPoint) -> None:
+    val = f" | val acc {point.val_acc:.4f} ({point.val_samples} images)" if point.val_acc is not None else ""
+    loss = f"{point.loss:.4f}" if point.loss is not None else "n/a"
+    log.info(
+        "global epoch %d | peers %d | %.1f samples/s | loss %s%s",
+        point.epoch,
+        point.peers,
+        point.samples_per_second,
+        loss,
+        val,
+    )
+
+
+def _poll(
+    cfg: ExperimentConfig,
+    dht: Any,
+    aggregator: EpochAggregator,
+    board: Board,
+    evaluator: Evaluator,
+    warned: set,
+) -> None:
+    """One poll: read the records, write finished epochs, start an evaluation when one is due."""
+    try:
+        records = metrics.fetch(dht, cfg.swarm.run_id, warned, timeout=max(5.0, cfg.monitor.poll_every))
+    except Exception as exc:  # a slow DHT read is not fatal: try again at the next poll
+        log.warning("Could not read the metrics records: %s", exc or type(exc).__name__)
+        return
+    aggregator.add(records, time.time())
+    for point in aggregator.ready(time.time()):
+        with evaluator.lock:
+            written = board.write_point(point)
+        if written:
+            _log_point(point)
+    if aggregator.newest_epoch >= 0 and evaluator.due(aggregator.newest_epoch):
+        evaluator.start()
+
+
+def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[str, Any]:
+    """Watch the swarm of ``cfg.swarm.run_id`` until SIGINT/SIGTERM; returns a summary of what was written."""
+    started = time.time()
+    quiet_libraries()
+    check_addresses(cfg.swarm)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    device = resolve_device(cfg.train.device)
+    out_dir = Path(cfg.train.log_dir) / cfg.swarm.run_id / "monitor"
+    keeper = CheckpointKeeper(cfg)  # fails early, with one line, if the checkpoint location is unusable
+    full_val = dataclasses.replace(cfg.data, limit_val_samples=None, limit_train_samples=1)
+    _, val_set = build_datasets(full_val, cfg.model.img_size)
+    save_config(cfg, out_dir / "config.yaml")
+    board = Board(out_dir)
+    aggregator = EpochAggregator(cfg.monitor.settle_time, after_epoch=board.last_step)
+    stop, dht, model, evaluator = GracefulStop(), None, None, None
+    stop.install()
+    try:
+        validators, _ = metrics.make_validators(cfg.swarm.run_id)
+        dht = start_dht(cfg.swarm, validators)
+        print(
+            f"Monitor of run {cfg.swarm.run_id!r} is up. To join this swarm, run:\n"
+            f"  {join_command(dht, cfg.swarm.run_id, config_name)}",
+            flush=True,
+        )
+        board.write_hparams(cfg)
+        model = SwarmModel(cfg, dht, device)
+        evaluator = Evaluator(cfg, model, board, keeper, val_loader(val_set, cfg.data))
+        log.info(
+            "Writing TensorBoard to %s and checkpoints to %s; evaluating %d images every %d global epochs",
+            out_dir,
+            cfg.checkpoint_dir,
+            len(val_set),
+            cfg.monitor.evaluate_every,
+        )
+        warned: set = set()
+        while not stop.event.is_set():
+            _poll(cfg, dht, aggregator, board, evaluator, warned)
+            stop.event.wait(cfg.monitor.poll_every)
+    except KeyboardInterrupt:
+        if not stop.event.is_set():
+            raise
+    finally:
+        stop.disarm()
+        if evaluator is not None:
+            evaluator.wait(timeout=60)  # let a checkpoint that is being written finish
+        for point in aggregator.ready(time.time(), closing=True):
+            if board.write_point(point):
+                _log_point(point)
+        board.close()
+        stop.restore()
+        if model is not None:
+            model.shutdown()
+        if dht is not None:
+            stop_dht(dht)
+        remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
+    summary = {
+        "last_step": board.last_step,
+        "last_eval_step": board.last_eval_step,
+        "evaluations": evaluator.done if evaluator else 0,
+        "best_acc": keeper.best_acc,
+        "best_epoch": keeper.best_epoch,
+        "best_ckpt": keeper.url("best.ckpt"),
+        "logdir": str(out_dir),
+    }
+    log.info("Monitor stopped at global epoch %d; best val acc %s", board.last_step, keeper.best_acc)
+    return summary

@@ -1,0 +1,118 @@
+"""`swarm-peer status`: a one-screen summary of a running swarm, read from its DHT (it never trains)."""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from swarm import metrics
+from swarm.config import ExperimentConfig
+from swarm.dht import SwarmConnectionError, start_dht, stop_dht
+from swarm.procs import remove_stale_sockets
+
+
+@dataclass
+class SwarmStatus:
+    run_id: str
+    via: str
+    records: list[metrics.LocalMetrics] = field(default_factory=list)
+    progress: list[Any] = field(default_factory=list)
+    target_batch_size: int = 0
+    reachability: str = ""
+
+
+def reachability(addresses: list[str], client_mode: bool) -> str:
+    """Whether peers elsewhere can dial this machine, judged from the addresses its p2p node listens on."""
+    if client_mode:
+        return "client mode: this machine dials out only (right behind NAT; it cannot be an initial peer)"
+    ips = []
+    for maddr in addresses:
+        parts = maddr.split("/")
+        try:
+            ips.append(ipaddress.ip_address(parts[2]))
+        except (IndexError, ValueError):
+            continue
+    public = sorted({str(ip) for ip in ips if ip.is_global})
+    private = sorted({str(ip) for ip in ips if ip.is_private and not ip.is_loopback})
+    if public:
+        return (
+            f"reachable from outside at {', '.join(public)} if the firewall allows the TCP port; "
+            "others can use this machine as an initial peer"
+        )
+    if private:
+        return (
+            f"only private addresses ({', '.join(private)}): peers outside this network cannot dial it. "
+            "Use --client-mode, or forward a port and pass --announce-maddr /ip4/<public ip>/tcp/<port>"
+        )
+    return "loopback only: reachable from this machine alone (fine for a localhost swarm)"
+
+
+def collect(cfg: ExperimentConfig, timeout: float = 10.0) -> SwarmStatus:
+    """Join the DHT of ``cfg.swarm.initial_peers``, read the metrics and progress records, and leave."""
+    if not cfg.swarm.initial_peers:
+        raise SwarmConnectionError("status needs --initial-peers: the address of any running peer or monitor")
+    started = time.time()
+    validators, _ = metrics.make_validators(cfg.swarm.run_id)
+    dht = start_dht(cfg.swarm, validators)
+    try:
+        status = SwarmStatus(cfg.swarm.run_id, cfg.swarm.initial_peers[0])
+        status.records = sorted(
+            metrics.fetch(dht, cfg.swarm.run_id, timeout=timeout).values(), key=lambda r: r.peer_name
+        )
+        status.progress = metrics.fetch_progress(dht, cfg.swarm.run_id, timeout=timeout)
+        targets = [r.target_batch_size for r in status.records if r.target_batch_size]
+        status.target_batch_size = max(targets) if targets else cfg.swarm.target_batch_size
+        status.reachability = reachability([str(a) for a in dht.get_visible_maddrs()], cfg.swarm.client_mode)
+    finally:
+        stop_dht(dht)
+        remove_stale_sockets(since=started, exclude_own=True, settle=2.0)
+    return status
+
+
+def render(status: SwarmStatus) -> str:
+    """The summary as text, one screen."""
+    lines = [f"Swarm {status.run_id!r} (asked {status.via})"]
+    if not status.records and not status.progress:
+        lines.append(
+            "  no peer has published anything yet: check --run-id; peers report after their first "
+            "global epoch"
+        )
+        lines.append(f"  this machine:   {status.reachability}")
+        return "\n".join(lines)
+    trainers = [p for p in status.progress if p.samples_per_second > 0 or p.samples_accumulated > 0]
+    epoch = max([p.epoch for p in status.progress] + [r.global_epoch for r in status.records])
+    at_epoch = [p for p in status.progress if p.epoch == epoch]
+    accumulated = sum(p.samples_accumulated for p in at_epoch)
+    newest = max((r.global_epoch for r in status.records), default=0)
+    sps = sum(r.samples_per_second for r in status.records if r.global_epoch >= newest - 2)
+    target = status.target_batch_size
+    eta = f", next step in ~{max(0.0, (target - accumulated) / sps):.1f} s" if sps > 0 else ""
+    percent = 100 * accumulated / max(target, 1)
+    clients = sum(1 for p in status.progress if p.client_mode)
+    lines += [
+        f"  peers:          {len(status.records) or len(trainers)} training ({clients} in client mode)",
+        f"  global epoch:   {epoch}",
+        f"  samples/s:      {sps:.1f} (sum over peers, averaging waits included)",
+        f"  next step:      {accumulated} / {target} samples ({percent:.0f}%){eta}",
+    ]
+    validated = [r for r in status.records if r.val_acc is not None and r.val_epoch is not None]
+    if validated:
+        latest = max(r.val_epoch for r in validated)
+        group = [r for r in validated if r.val_epoch == latest]
+        n = sum(r.val_samples for r in group) or len(group)
+        acc = sum(r.val_acc * (r.val_samples or 1) for r in group) / n
+        lines.append(f"  val acc:        {acc:.4f} at global epoch {latest} ({len(group)} peer{'s' if len(group) > 1 else ''})")
+    else:
+        lines.append("  val acc:        none reported yet")
+    lines.append(f"  this machine:   {status.reachability}")
+    if status.records:
+        lines.append(f"  {'peer':<20}{'epoch':>7}{'samples/s':>11}{'loss':>9}{'val acc':>12}")
+        for r in status.records:
+            val = f"{r.val_acc:.3f}@{r.val_epoch}" if r.val_acc is not None else "n/a"
+            lines.append(
+                f"  {r.peer_name[:19]:<20}{r.global_epoch:>7}{r.samples_per_second:>11.1f}"
+                f"{r.loss:>9.4f}{val:>12}"
+            )
+    return "\n".join(lines)

@@ -25,7 +25,7 @@ def read_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
 
     if not logdir.is_dir():
         return {}
-    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0}, purge_orphaned_data=False)
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 

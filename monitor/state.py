@@ -16,6 +16,7 @@ import torch
 
 from swarm.checkpoint import (
     CheckpointError,
+    check_location,
     checkpoint_exists,
     join_url,
     load_checkpoint,
@@ -82,8 +83,9 @@ class CheckpointKeeper:
         self.endpoint = cfg.checkpoint.s3_endpoint_url
         self.best_acc: float | None = None
         self.best_epoch: int | None = None
+        check_location(self.base, self.endpoint)  # a missing bucket fails now, not at the first save
         best = self.url(BEST)
-        if checkpoint_exists(best, self.endpoint):  # also proves early that the location is reachable
+        if checkpoint_exists(best, self.endpoint):
             try:
                 payload = load_checkpoint(best, self.endpoint)
                 self.best_acc = float(payload["metrics"]["val/acc"])

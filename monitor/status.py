@@ -103,7 +103,8 @@ def render(status: SwarmStatus) -> str:
         group = [r for r in validated if r.val_epoch == latest]
         n = sum(r.val_samples for r in group) or len(group)
         acc = sum(r.val_acc * (r.val_samples or 1) for r in group) / n
-        lines.append(f"  val acc:        {acc:.4f} at global epoch {latest} ({len(group)} peer{'s' if len(group) > 1 else ''})")
+        who = f"{len(group)} peers" if len(group) > 1 else "1 peer"
+        lines.append(f"  val acc:        {acc:.4f} at global epoch {latest} ({who})")
     else:
         lines.append("  val acc:        none reported yet")
     lines.append(f"  this machine:   {status.reachability}")

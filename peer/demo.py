@@ -1,4 +1,9 @@
-"""`swarm-peer bootstrap` (a DHT-only entry point) and `swarm-peer demo` (a whole swarm on 127.0.0.1)."""
+"""`swarm-peer bootstrap` (a DHT-only entry point) and `swarm-peer demo` (a whole swarm on 127.0.0.1).
+
+The demo starts a monitor first (it starts the swarm, as a public machine would), then N training peers
+that join through it. When the peers are done it stops the monitor and prints where the TensorBoard run
+and ``best.ckpt`` are.
+"""
 
 from __future__ import annotations
 
@@ -73,6 +78,23 @@ def _summarise(cfg: ExperimentConfig, names: list[str]) -> list[dict]:
     return out
 
 
+def _print_monitor(cfg: ExperimentConfig) -> None:
+    """Where to look next: the TensorBoard command and the best checkpoint with its accuracy."""
+    from monitor.state import BEST
+    from swarm.checkpoint import CheckpointError, join_url, load_checkpoint
+
+    run_dir = Path(cfg.train.log_dir) / cfg.swarm.run_id
+    best = join_url(cfg.checkpoint_dir, BEST)
+    try:
+        payload = load_checkpoint(best, cfg.checkpoint.s3_endpoint_url)
+        acc = payload["metrics"].get("val/acc")
+        about = f"val acc {acc:.3f} at global epoch {payload['global_epoch']} (the monitor's own evaluation)"
+    except CheckpointError as exc:
+        about = f"not written ({exc})"
+    print(f"best checkpoint: {best}: {about}")
+    print(f"TensorBoard:     tensorboard --logdir {run_dir}   (then open http://localhost:6006)")
+
+
 def _print_summary(cfg: ExperimentConfig, summaries: list[dict], wall: float) -> None:
     print("\n=== demo summary ===")
     print(
@@ -105,7 +127,7 @@ def _print_summary(cfg: ExperimentConfig, summaries: list[dict], wall: float) ->
 
 
 def run_demo(cfg: ExperimentConfig, config_name: str, n_peers: int) -> int:
-    """Start a bootstrap and ``n_peers`` training peers on 127.0.0.1; 0 if every peer finished cleanly."""
+    """Start a monitor and ``n_peers`` training peers on 127.0.0.1; 0 if every peer finished cleanly."""
     started = time.time()
     base = [sys.executable, "-m", "peer"]
     common = ["--config", config_name, "--run-id", cfg.swarm.run_id, "--log-dir", cfg.train.log_dir]
@@ -114,16 +136,17 @@ def run_demo(cfg: ExperimentConfig, config_name: str, n_peers: int) -> int:
     found: dict[str, str] = {}
     ready = threading.Event()
     interrupted = False
+    codes: dict[str, int | None] = {}
     try:
-        procs["bootstrap"] = _start(
-            "bootstrap",
-            base + ["bootstrap", *common, "--host-maddr", "/ip4/127.0.0.1/tcp/0"],
+        procs["monitor"] = _start(
+            "monitor",
+            base + ["monitor", *common, "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--threads", "1"],
             threads,
             found,
             ready,
         )
         if not ready.wait(120) or "join" not in found:
-            log.error("The bootstrap peer did not come up; see its output above")
+            log.error("The monitor did not come up; see its output above")
             return 1
         names = [f"peer{i + 1}" for i in range(n_peers)]
         for i, name in enumerate(names):
@@ -144,18 +167,20 @@ def run_demo(cfg: ExperimentConfig, config_name: str, n_peers: int) -> int:
             if cfg.train.max_epochs is not None:
                 cmd += ["--max-epochs", str(cfg.train.max_epochs)]
             procs[name] = _start(name, cmd, threads, {}, threading.Event())
-        codes = {name: procs[name].wait() for name in names}
+        codes.update({name: procs[name].wait() for name in names})
     except KeyboardInterrupt:
         interrupted = True
         print("\nCtrl-C: stopping every peer of the demo ...", flush=True)
-        codes = {}
     finally:
-        for proc in reversed(list(procs.values())):
-            stop_group(proc, grace=15.0)
+        for name, proc in reversed(list(procs.items())):
+            code = stop_group(proc, grace=30.0)  # the monitor finishes its TensorBoard points and checkpoint
+            if name == "monitor" and not interrupted:
+                codes[name] = code if code is not None else 0
         for thread in threads:
             thread.join(timeout=5)
         remove_stale_sockets(since=started, settle=3.0)
-    _print_summary(cfg, _summarise(cfg, [n for n in procs if n != "bootstrap"]), time.time() - started)
+    _print_summary(cfg, _summarise(cfg, [n for n in procs if n != "monitor"]), time.time() - started)
+    _print_monitor(cfg)
     if interrupted:
         return 130
     failed = {n: c for n, c in codes.items() if c != 0}

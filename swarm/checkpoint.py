@@ -71,7 +71,7 @@ def _explain(url: str, exc: BaseException) -> str:
     """One line that says what went wrong with ``url`` and how to fix it."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if url.startswith("s3"):
-        if isinstance(exc, FileNotFoundError) or "NoSuchBucket" in text or "bucket does not exist" in text:
+        if isinstance(exc, FileNotFoundError) or "NoSuchBucket" in text or "does not exist" in text:
             return f"{url}: the S3 bucket does not exist ({text}); create it or fix --checkpoint-uri"
         if isinstance(exc, PermissionError) or "AccessDenied" in text or "InvalidAccessKeyId" in text:
             return (
@@ -131,6 +131,26 @@ def _fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def check_location(base: str, endpoint_url: str | None = None) -> None:
+    """Fail early, with one line, if checkpoints cannot be written under ``base`` (no bucket, no access)."""
+    fs, path = _filesystem(base, endpoint_url)
+    try:
+        if _is_local(fs):
+            Path(path).mkdir(parents=True, exist_ok=True)
+            if not os.access(path, os.W_OK):
+                raise PermissionError(f"no write permission on {path}")
+        elif _protocols(fs) & {"s3", "s3a"}:
+            bucket = path.split("/", 1)[0]
+            if not fs.exists(bucket):
+                raise FileNotFoundError(f"bucket {bucket!r} not found")
+    except CheckpointError:
+        raise
+    except FileNotFoundError as exc:
+        raise CheckpointError(_explain(base, exc)) from None
+    except Exception as exc:
+        raise CheckpointError(_explain(base, exc)) from None
 
 
 def checkpoint_exists(url: str, endpoint_url: str | None = None) -> bool:

@@ -1,0 +1,158 @@
+"""Checkpoints through fsspec: local files and a real S3-speaking server (moto) on 127.0.0.1.
+
+Read back with the public readers: plain ``torch.load``, ``timm.create_model`` + ``load_state_dict``, boto3.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import timm
+import torch
+
+from monitor.state import BEST, LAST, CheckpointKeeper
+from swarm.checkpoint import (
+    CheckpointError,
+    check_compatible,
+    load_checkpoint,
+    make_checkpoint,
+    save_checkpoint,
+)
+from swarm.config import build_config, replace
+from swarm.model import create_model
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return build_config("demo", {"run_id": "pytest-ckpt"})
+
+
+def _timm_model(cfg):
+    m = cfg.model
+    return timm.create_model(
+        m.model_name,
+        pretrained=False,
+        num_classes=m.num_classes,
+        img_size=m.img_size,
+        patch_size=m.patch_size,
+        embed_dim=m.embed_dim,
+        depth=m.depth,
+        num_heads=m.num_heads,
+    )
+
+
+def test_checkpoint_loads_with_plain_torch_and_timm(tmp_path, cfg):
+    net = create_model(cfg.model)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    net(torch.randn(2, 3, 32, 32)).sum().backward()
+    opt.step()
+    url = str(tmp_path / "ck" / "best.ckpt")
+    save_checkpoint(url, make_checkpoint(net, cfg, 7, {"val/acc": 0.5}, opt))
+
+    payload = torch.load(url)  # default weights_only=True: only plain types inside
+    assert payload["global_epoch"] == 7 and payload["metrics"] == {"val/acc": 0.5}
+    assert payload["config"]["model"]["model_name"] == cfg.model.model_name
+    assert payload["optimizer"]["state"], "AdamW moments are kept for --resume-from"
+    fresh = _timm_model(cfg)
+    fresh.load_state_dict(payload["state_dict"])
+    x = torch.randn(3, 3, 32, 32)
+    net.eval(), fresh.eval()
+    assert torch.equal(fresh(x), net(x))
+    assert load_checkpoint("file://" + url)["global_epoch"] == 7  # file:// URLs too
+
+
+def test_a_crash_during_save_leaves_the_old_checkpoint_intact(tmp_path, cfg):
+    url = str(tmp_path / BEST)
+    net = create_model(cfg.model)
+    save_checkpoint(url, make_checkpoint(net, cfg, 3, {"val/acc": 0.9}))
+    before = (tmp_path / BEST).read_bytes()
+
+    payload = make_checkpoint(net, cfg, 4, {"val/acc": 0.95})
+    payload["zz_unpicklable"] = lambda: None  # serialisation fails after the tensors were written
+    with pytest.raises(CheckpointError):
+        save_checkpoint(url, payload)
+    assert (tmp_path / BEST).read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == [BEST], "no temporary file is left behind"
+    assert load_checkpoint(url)["global_epoch"] == 3
+
+
+def test_corrupt_and_truncated_checkpoints_give_one_line(tmp_path, cfg):
+    url = str(tmp_path / LAST)
+    save_checkpoint(url, make_checkpoint(create_model(cfg.model), cfg, 1, {}))
+    data = (tmp_path / LAST).read_bytes()
+    (tmp_path / LAST).write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(url)
+    assert "corrupt or truncated" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(str(tmp_path / "missing.ckpt"))
+    other = build_config("demo", {"num_classes": 7, "model_name": "vit_small_patch16_224"})
+    with pytest.raises(CheckpointError, match="another model"):
+        check_compatible(_valid(cfg), other.model, url)
+
+
+def _valid(cfg):
+    return make_checkpoint(create_model(cfg.model), cfg, 1, {})
+
+
+def test_keeper_never_replaces_a_better_best_also_after_a_restart(tmp_path, cfg):
+    cfg = replace(cfg, checkpoint_uri=str(tmp_path / "ckpts"))
+    net, opt = create_model(cfg.model), None
+    keeper = CheckpointKeeper(cfg)
+    assert keeper.save(net, opt, 5, {"acc": 0.4, "acc_top5": 0.8, "loss": 1.0, "samples": 10})
+    assert not keeper.save(net, opt, 10, {"acc": 0.3, "acc_top5": 0.7, "loss": 1.2, "samples": 10})
+    restarted = CheckpointKeeper(cfg)  # a new monitor process reads the best so far back
+    assert restarted.best_acc == pytest.approx(0.4) and restarted.best_epoch == 5
+    assert not restarted.save(net, opt, 15, {"acc": 0.35, "acc_top5": 0.7, "loss": 1.1, "samples": 10})
+    assert load_checkpoint(keeper.url(BEST))["global_epoch"] == 5
+    assert load_checkpoint(keeper.url(LAST))["global_epoch"] == 15
+    assert restarted.save(net, opt, 20, {"acc": 0.5, "acc_top5": 0.9, "loss": 0.9, "samples": 10})
+    assert load_checkpoint(keeper.url(BEST))["global_epoch"] == 20
+
+
+@pytest.fixture
+def s3_server(monkeypatch):
+    """moto's S3 server on 127.0.0.1 (real HTTP, real S3 protocol), with throw-away credentials."""
+    from moto.server import ThreadedMotoServer
+
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(key, value)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+def test_s3_checkpoints_through_a_real_s3_server(s3_server, cfg):
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3_server)
+    client.create_bucket(Bucket="swarm-ckpts")
+    cfg = replace(cfg, checkpoint_uri="s3://swarm-ckpts/runs/demo", s3_endpoint_url=s3_server)
+    net = create_model(cfg.model)
+    keeper = CheckpointKeeper(cfg)
+    assert keeper.save(net, None, 6, {"acc": 0.25, "acc_top5": 0.6, "loss": 2.0, "samples": 359})
+    assert not keeper.save(net, None, 9, {"acc": 0.2, "acc_top5": 0.6, "loss": 2.1, "samples": 359})
+
+    keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket="swarm-ckpts")["Contents"])
+    assert keys == ["runs/demo/best.ckpt", "runs/demo/last.ckpt"]  # nothing temporary left
+    body = client.get_object(Bucket="swarm-ckpts", Key="runs/demo/best.ckpt")["Body"].read()
+    payload = torch.load(io.BytesIO(body))
+    assert payload["global_epoch"] == 6 and payload["metrics"]["val/acc"] == pytest.approx(0.25)
+    _timm_model(cfg).load_state_dict(payload["state_dict"])
+    assert CheckpointKeeper(cfg).best_acc == pytest.approx(0.25)  # a restarted monitor reads it back
+
+    missing = replace(cfg, checkpoint_uri="s3://no-such-bucket/x")
+    with pytest.raises(CheckpointError) as err:
+        save_checkpoint("s3://no-such-bucket/x/best.ckpt", _valid(cfg), s3_server)
+    assert "bucket does not exist" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(CheckpointError, match="bucket does not exist"):
+        CheckpointKeeper(missing)  # the monitor refuses to start rather than fail at its first save

@@ -1,0 +1,103 @@
+"""The monitor's aggregation of peer records and its TensorBoard run, read back with TensorBoard's reader."""
+
+from __future__ import annotations
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from monitor.aggregate import EpochAggregator, EpochPoint, aggregate
+from monitor.board import EVAL_ACC, Board
+from swarm.config import build_config
+from swarm.metrics import LocalMetrics
+
+
+def rec(name: str, epoch: int, **kw) -> LocalMetrics:
+    values = dict(
+        peer_name=name,
+        global_epoch=epoch,
+        samples_per_second=10.0,
+        loss=2.0,
+        samples_accumulated=100,
+        mini_steps=4,
+        time=0.0,
+    )
+    return LocalMetrics(**{**values, **kw})
+
+
+def test_weighted_means_and_sums():
+    val_a = dict(val_epoch=4, val_acc=0.5, val_loss=1.5, val_samples=100)
+    val_b = dict(val_epoch=4, val_acc=0.9, val_loss=0.5, val_samples=300)
+    records = [
+        rec("a", 4, loss=1.0, samples_accumulated=300, samples_per_second=30.0, **val_a),
+        rec("b", 4, loss=3.0, samples_accumulated=100, samples_per_second=12.5, **val_b),
+        rec("c", 4, loss=9.0, samples_accumulated=0, mini_steps=0),  # contributed nothing: no weight
+    ]
+    point = aggregate(4, records, peers=3)
+    assert point.samples_per_second == pytest.approx(52.5)
+    assert point.loss == pytest.approx((1.0 * 300 + 3.0 * 100) / 400)
+    assert point.val_acc == pytest.approx((0.5 * 100 + 0.9 * 300) / 400)
+    assert point.val_loss == pytest.approx((1.5 * 100 + 0.5 * 300) / 400)
+    stale = aggregate(5, [rec("a", 5, val_epoch=4, val_acc=0.5, val_samples=10)], peers=1)
+    assert stale.val_acc is None, "validation of an older epoch is not logged at this epoch"
+
+
+def test_epochs_are_released_once_in_order_and_peers_counted():
+    agg = EpochAggregator(settle_time=3.0)
+    a, b, c = b"a", b"b", b"c"
+    agg.add({a: rec("a", 1), b: rec("b", 1)}, now=0.0)
+    assert agg.ready(now=1.0) == []  # c has not reported: wait
+    agg.add({a: rec("a", 1), b: rec("b", 1), c: rec("c", 1)}, now=1.5)
+    assert agg.ready(now=2.0) == []  # everyone reported, but late records may still come
+    points = agg.ready(now=3.5)
+    assert [(p.epoch, p.peers) for p in points] == [(1, 3)]
+    # b's epoch-2 record was overwritten by epoch 3 before we polled: b still counts at epoch 2
+    agg.add({a: rec("a", 2), b: rec("b", 3), c: rec("c", 2)}, now=4.0)
+    agg.add({a: rec("a", 3), b: rec("b", 3), c: rec("c", 3)}, now=5.0)
+    agg.add({a: rec("a", 4), b: rec("b", 4), c: rec("c", 4)}, now=9.0)
+    points = agg.ready(now=9.0)
+    assert [(p.epoch, p.peers) for p in points] == [(2, 3), (3, 3)]
+    assert agg.ready(now=20.0)[0].epoch == 4
+    # c's record expired (it left): from now on it does not count
+    agg.add({a: rec("a", 5), b: rec("b", 5)}, now=21.0)
+    assert [(p.epoch, p.peers) for p in agg.ready(now=30.0)] == [(5, 2)]
+    agg.add({a: rec("a", 5), b: rec("b", 5)}, now=31.0)
+    assert agg.ready(now=40.0) == [], "an epoch is never released twice"
+
+
+def test_closing_releases_finished_epochs_only():
+    agg = EpochAggregator(settle_time=60.0)
+    agg.add({b"a": rec("a", 7), b"b": rec("b", 6)}, now=0.0)
+    assert [p.epoch for p in agg.ready(now=1.0, closing=True)] == [6]  # 7 is still incomplete
+
+
+def test_board_appends_after_a_restart_without_repeating_steps(tmp_path):
+    cfg = build_config("demo")
+    board = Board(tmp_path)
+    board.write_hparams(cfg)
+    for epoch in (1, 2, 3):
+        assert board.write_point(
+            EpochPoint(epoch, 3, 30.0, 2.0 - epoch / 10, val_acc=0.1 * epoch, val_loss=1.0)
+        )
+    assert board.write_eval(3, {"acc": 0.3, "acc_top5": 0.8, "loss": 1.9})
+    board.close()
+
+    restarted = Board(tmp_path)
+    assert restarted.last_step == 3 and restarted.last_eval_step == 3 and restarted.hparams_written
+    restarted.write_hparams(cfg)  # a no-op the second time
+    assert not restarted.write_point(EpochPoint(3, 3, 30.0, 1.0))
+    assert not restarted.write_eval(3, {"acc": 0.9, "acc_top5": 0.9, "loss": 0.1})
+    assert restarted.write_point(EpochPoint(4, 2, 20.0, 1.5))
+    restarted.close()
+
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0}, purge_orphaned_data=False)
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("swarm/peers")]
+    assert steps == [1, 2, 3, 4]
+    assert [e.value for e in acc.Scalars("swarm/peers")] == [3, 3, 3, 2]
+    assert [e.step for e in acc.Scalars("val/acc")] == [1, 2, 3]
+    assert [(e.step, round(e.value, 6)) for e in acc.Scalars(EVAL_ACC)] == [(3, 0.3)]
+    assert {"train/loss", "swarm/samples_per_second", "swarm/global_epoch", "val/loss"} <= set(
+        acc.Tags()["scalars"]
+    )
+    assert list(acc.PluginTagToContent("hparams")), "hyperparameters are logged"
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2

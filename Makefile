@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# the main job: a bootstrap and $(PEERS) training peers on 127.0.0.1, embedded data, nothing to download
+# the main job: a monitor and $(PEERS) training peers on 127.0.0.1, embedded data, nothing to download
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/swarm-peer demo --peers $(PEERS)
 

@@ -9,14 +9,50 @@ from __future__ import annotations
 import ipaddress
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import hivemind
 
 from swarm.config import SwarmConfig
 
-if TYPE_CHECKING:
-    import hivemind
-
 log = logging.getLogger(__name__)
+
+
+class _RequestPipe:
+    """The DHT process's end of its request pipe, tolerant of senders that exit mid-request.
+
+    Every request carries the pipe for its reply, handed over through the *sender's* resource-sharer
+    thread. If the sender (an averager process at shutdown) exits between sending and our read, unpickling
+    raises EOFError, which hivemind does not catch (the DHT process died with a traceback), or a
+    ConnectionError, which hivemind logs with a traceback before sleeping 3 s. Such a request has no one
+    waiting for its answer, so it is skipped.
+    """
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def recv(self) -> Any:
+        data = self._conn.recv_bytes()  # EOFError here means our own pipe closed: let hivemind see it
+        try:
+            return ForkingPickler.loads(data)
+        except (EOFError, OSError):  # reset, refused or closed: the sender's resource sharer is gone
+            log.debug("Skipped a DHT request whose sender exited before it was read")
+            return ("_skip_request", [], {})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+class SwarmDHT(hivemind.DHT):
+    """hivemind.DHT whose background process survives requests from processes that exited meanwhile."""
+
+    def run(self) -> None:
+        self._inner_pipe = _RequestPipe(self._inner_pipe)
+        super().run()
+
+    async def _skip_request(self) -> None:
+        return None
 
 
 class SwarmConnectionError(RuntimeError):
@@ -54,8 +90,6 @@ def start_dht(cfg: SwarmConfig, record_validators: Sequence = ()) -> hivemind.DH
     Raises SwarmConnectionError with advice when the initial peers cannot be reached within
     ``cfg.bootstrap_timeout`` seconds. Call ``dht.shutdown()`` when done; it stops the daemon too.
     """
-    import hivemind
-
     check_addresses(cfg)
     kwargs = dict(
         initial_peers=list(cfg.initial_peers),
@@ -72,7 +106,7 @@ def start_dht(cfg: SwarmConfig, record_validators: Sequence = ()) -> hivemind.DH
     if cfg.announce_maddrs:
         kwargs["announce_maddrs"] = list(cfg.announce_maddrs)
     try:
-        return hivemind.DHT(**kwargs)
+        return SwarmDHT(**kwargs)
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if cfg.initial_peers:

@@ -135,20 +135,27 @@ def _poll(
         evaluator.start()
 
 
-def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[str, Any]:
-    """Watch the swarm of ``cfg.swarm.run_id`` until SIGINT/SIGTERM; returns a summary of what was written."""
-    started = time.time()
+def _prepare(cfg: ExperimentConfig) -> tuple[str, CheckpointKeeper, Any, Board]:
+    """Everything that can fail on the user's input, before joining the swarm: device, checkpoint location,
+    validation data (the whole split) and the TensorBoard run."""
     quiet_libraries()
     check_addresses(cfg.swarm)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = resolve_device(cfg.train.device)
-    out_dir = Path(cfg.train.log_dir) / cfg.swarm.run_id / "monitor"
-    keeper = CheckpointKeeper(cfg)  # fails early, with one line, if the checkpoint location is unusable
+    keeper = CheckpointKeeper(cfg)  # a missing bucket or an unwritable folder fails here, in one line
     full_val = dataclasses.replace(cfg.data, limit_val_samples=None, limit_train_samples=1)
     _, val_set = build_datasets(full_val, cfg.model.img_size)
+    out_dir = Path(cfg.train.log_dir) / cfg.swarm.run_id / "monitor"
     save_config(cfg, out_dir / "config.yaml")
-    board = Board(out_dir)
+    return device, keeper, val_set, Board(out_dir)
+
+
+def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[str, Any]:
+    """Watch the swarm of ``cfg.swarm.run_id`` until SIGINT/SIGTERM; returns a summary of what was written."""
+    started = time.time()
+    device, keeper, val_set, board = _prepare(cfg)
+    out_dir = board.logdir
     aggregator = EpochAggregator(cfg.monitor.settle_time, after_epoch=board.last_step)
     stop, dht, model, evaluator = GracefulStop(), None, None, None
     stop.install()
@@ -191,14 +198,13 @@ def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[s
         if dht is not None:
             stop_dht(dht)
         remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
-    summary = {
+    log.info("Monitor stopped at global epoch %d; best val acc %s", board.last_step, keeper.best_acc)
+    return {
         "last_step": board.last_step,
         "last_eval_step": board.last_eval_step,
         "evaluations": evaluator.done if evaluator else 0,
         "best_acc": keeper.best_acc,
         "best_epoch": keeper.best_epoch,
         "best_ckpt": keeper.url("best.ckpt"),
-        "logdir": str(out_dir),
+        "logdir": str(board.logdir),
     }
-    log.info("Monitor stopped at global epoch %d; best val acc %s", board.last_step, keeper.best_acc)
-    return summary

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import traceback
 import warnings
 
 FORMAT = "%(asctime)s %(levelname).1s %(name)s | %(message)s"
@@ -23,6 +24,8 @@ def setup_logging(verbose: bool = False) -> None:
     quiet_libraries()
     if not verbose:
         sys.unraisablehook = _log_unraisable
+        if not getattr(sys.excepthook, "_swarm", False):
+            sys.excepthook = _quiet_resource_sharer(sys.excepthook)
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # hivemind leaves pending tasks at exit
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "INFO" if verbose else "WARNING")
     try:
@@ -45,6 +48,24 @@ def _log_unraisable(unraisable: sys.UnraisableHookArgs) -> None:
     logging.getLogger("swarm.cleanup").debug(
         "Ignored %s in %r: %s", type(unraisable.exc_value).__name__, unraisable.object, unraisable.exc_value
     )
+
+
+def _quiet_resource_sharer(default):
+    """An excepthook that logs, at DEBUG, the errors of multiprocessing's resource-sharer thread when the
+    process at the other end exited mid-handshake (a DHT or averager process stopped at shutdown), and
+    passes everything else to ``default``. That thread reports through sys.excepthook, so without this a
+    clean Ctrl-C could end in a ConnectionResetError traceback."""
+
+    def hook(exc_type, exc, tb):
+        frames = traceback.extract_tb(tb)
+        from_sharer = any(f.filename.endswith("resource_sharer.py") for f in frames)
+        if issubclass(exc_type, (EOFError, OSError)) and from_sharer:
+            logging.getLogger("swarm.cleanup").debug("A helper process left mid-handshake: %r", exc)
+            return
+        default(exc_type, exc, tb)
+
+    hook._swarm = True  # type: ignore[attr-defined]
+    return hook
 
 
 class OneLineErrors(logging.Filter):

@@ -262,8 +262,6 @@ class HivemindStrategy(SingleDeviceStrategy):
                     opt.shutdown()  # waits for background averaging first, so the parameters are final
                 else:  # a signal to the whole group stopped p2pd or the averagers: no one to say goodbye to
                     log.info("The p2p daemon or the averagers already exited; stopping the rest directly")
-                    # the DHT first: a request of an averager that dies mid-send would kill it noisily
-                    stop_dht(self.dht, network_alive=False)
                     for averager in averagers:
                         if averager.is_alive():
                             averager.terminate()

@@ -118,14 +118,18 @@ def _poll(
     board: Board,
     evaluator: Evaluator,
     warned: set,
+    final: bool = False,
 ) -> None:
-    """One poll: read the records, write finished epochs, start an evaluation when one is due."""
+    """One poll: read the records, write finished epochs, start an evaluation when one is due.
+    The ``final`` poll, when the monitor stops, only files the records; the caller writes what is complete."""
     try:
         records = metrics.fetch(dht, cfg.swarm.run_id, warned, timeout=max(5.0, cfg.monitor.poll_every))
     except Exception as exc:  # a slow DHT read is not fatal: try again at the next poll
         log.warning("Could not read the metrics records: %s", exc or type(exc).__name__)
         return
     aggregator.add(records, time.time())
+    if final:
+        return
     for point in aggregator.ready(time.time()):
         with evaluator.lock:
             written = board.write_point(point)
@@ -158,6 +162,7 @@ def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[s
     out_dir = board.logdir
     aggregator = EpochAggregator(cfg.monitor.settle_time, after_epoch=board.last_step)
     stop, dht, model, evaluator = GracefulStop(), None, None, None
+    warned: set = set()
     stop.install()
     try:
         validators, _ = metrics.make_validators(cfg.swarm.run_id)
@@ -177,7 +182,6 @@ def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[s
             len(val_set),
             cfg.monitor.evaluate_every,
         )
-        warned: set = set()
         while not stop.event.is_set():
             _poll(cfg, dht, aggregator, board, evaluator, warned)
             stop.event.wait(cfg.monitor.poll_every)
@@ -188,6 +192,8 @@ def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[s
         stop.disarm()
         if evaluator is not None:
             evaluator.wait(timeout=60)  # let a checkpoint that is being written finish
+        if dht is not None and evaluator is not None:
+            _poll(cfg, dht, aggregator, board, evaluator, warned, final=True)  # records that came meanwhile
         for point in aggregator.ready(time.time(), closing=True):
             if board.write_point(point):
                 _log_point(point)

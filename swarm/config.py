@@ -142,6 +142,9 @@ class SwarmConfig:
     """Seconds to wait for the initial peers to answer before giving up with an error."""
     metrics_expiration: float = 60.0
     """Seconds a published metrics record stays in the DHT; a dead peer drops out after this."""
+    linger: float = 0.0
+    """Seconds a peer that reached max_epochs or max_time keeps sharing its final state before it leaves,
+    so that a monitor can evaluate and save the final model; 0 leaves at once. Signals never wait."""
 
     def __post_init__(self) -> None:
         _check(
@@ -166,6 +169,7 @@ class SwarmConfig:
             self.matchmaking_time,
             f"more seconds than request_timeout={self.request_timeout} (hivemind may deadlock otherwise)",
         )
+        _check(self.linger >= 0, "linger", self.linger, "seconds >= 0")
         _check(
             self.average_state_every >= 1, "average_state_every", self.average_state_every, "an integer >= 1"
         )

@@ -31,6 +31,7 @@ from swarm.model import evaluate, resolve_device
 from swarm.procs import GracefulStop, remove_stale_sockets
 
 log = logging.getLogger(__name__)
+RETRY_AFTER_S = 15.0
 
 
 class Evaluator:
@@ -44,12 +45,13 @@ class Evaluator:
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
         self.done = 0
+        self.retry_after = 0.0
 
     def due(self, swarm_epoch: int) -> bool:
         every = self.cfg.monitor.evaluate_every
         next_epoch = (max(self.board.last_eval_step, 0) // every + 1) * every
         busy = self.thread is not None and self.thread.is_alive()
-        return not busy and swarm_epoch >= next_epoch
+        return not busy and swarm_epoch >= next_epoch and time.time() >= self.retry_after
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, name="monitor-eval", daemon=True)
@@ -67,6 +69,8 @@ class Evaluator:
         started = time.perf_counter()
         epoch = self.model.refresh()
         if epoch is None:
+            self.retry_after = time.time() + RETRY_AFTER_S  # every peer may have left: do not hammer them
+            log.info("No peer sent the swarm's state; trying again in %.0f s", RETRY_AFTER_S)
             return None
         if epoch <= self.board.last_eval_step:
             log.info("The swarm's state is still at global epoch %d; evaluated already", epoch)

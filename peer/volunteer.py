@@ -71,6 +71,10 @@ class SwarmReporter(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.stop.disarm()  # teardown follows: an interrupt must not cut it short
+        linger = self.cfg.swarm.linger
+        if linger > 0 and not self.stop.event.is_set():  # the averagers still serve our state until teardown
+            log.info("Sharing the final state for %.0f s (linger) so that a monitor can save it", linger)
+            self.stop.event.wait(linger)
 
     def on_exception(self, trainer: L.Trainer, module: L.LightningModule, exception: BaseException) -> None:
         self.stop.disarm()
@@ -337,11 +341,6 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
         reporter = SwarmReporter(cfg, strategy, public_key, peer_name, val_loader(val_set, cfg.data), stop)
         print(f"To join this swarm, run:\n  {join_command(dht, cfg.swarm.run_id, config_name)}", flush=True)
         _fit(cfg, strategy, reporter, module, train_loader(train_set, cfg.data, seed))
-        if cfg.swarm.linger > 0 and not stop.event.is_set():
-            log.info(
-                "Sharing the final state for %.0f s (linger) so that a monitor can save it", cfg.swarm.linger
-            )
-            stop.event.wait(cfg.swarm.linger)
     except KeyboardInterrupt:
         if not stop.event.is_set():
             raise

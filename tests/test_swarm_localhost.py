@@ -116,9 +116,18 @@ def test_peers_train_together(peers, tmp_path):
         for e in (loaded, loaded - 1)
         if str(e) in s["checksums"]
     ]
-    assert any(_close(s4["start_checksum"], c) for c in swarm_at_load), (s4["start_checksum"], swarm_at_load)
+    # The donor may send its state between its local update and the end of that epoch's parameter averaging
+    # (seen once in ~10 runs: sums off by 2e-5 relative), so "equal" here means within 2e-4 relative; one
+    # global epoch of training moves the sum of squares by about 2e-3, and training since init far more.
+    near = 2e-4
+    assert any(_close(s4["start_checksum"], c, near) for c in swarm_at_load), (
+        s4["start_checksum"],
+        swarm_at_load,
+    )
     inits = [s["checksums"]["0"] for s in summaries.values() if "0" in s["checksums"] and s is not s4]
-    assert inits and not any(_close(s4["start_checksum"], c) for c in inits), "the late peer kept its init"
+    assert inits and not any(_close(s4["start_checksum"], c, near) for c in inits), (
+        "the late peer kept its init"
+    )
 
     # nothing is left behind once the peers are done
     code = boot.stop(grace=15)

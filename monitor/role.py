@@ -127,9 +127,11 @@ def _poll(
     """One poll: read the records, write finished epochs, start an evaluation when one is due.
     The ``final`` poll, when the monitor stops, only files the records; the caller writes what is complete."""
     try:
-        records = metrics.fetch(dht, cfg.swarm.run_id, warned, timeout=max(5.0, cfg.monitor.poll_every))
+        timeout = 2.0 if final else max(5.0, cfg.monitor.poll_every)
+        records = metrics.fetch(dht, cfg.swarm.run_id, warned, timeout=timeout)
     except Exception as exc:  # a slow DHT read is not fatal: try again at the next poll
-        log.warning("Could not read the metrics records: %s", exc or type(exc).__name__)
+        level = logging.DEBUG if final else logging.WARNING  # at exit, the peers may be gone already
+        log.log(level, "Could not read the metrics records: %s", str(exc) or type(exc).__name__)
         return
     aggregator.add(records, time.time())
     if final:

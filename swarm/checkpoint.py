@@ -143,8 +143,10 @@ def check_location(base: str, endpoint_url: str | None = None) -> None:
                 raise PermissionError(f"no write permission on {path}")
         elif _protocols(fs) & {"s3", "s3a"}:
             bucket = path.split("/", 1)[0]
-            if not fs.exists(bucket):
-                raise FileNotFoundError(f"bucket {bucket!r} not found")
+            try:
+                fs.info(bucket)  # unlike exists(), tells a missing bucket from an unreachable endpoint
+            except FileNotFoundError:
+                raise FileNotFoundError(f"bucket {bucket!r} not found") from None
     except CheckpointError:
         raise
     except FileNotFoundError as exc:

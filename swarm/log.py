@@ -86,6 +86,8 @@ class OneLineErrors(logging.Filter):
 
 def quiet_libraries() -> None:
     """Keep Lightning's start-up banner and known-harmless warnings out of the peer's log."""
+    for name in ("aiobotocore", "botocore", "s3fs"):  # "Found credentials in environment variables." etc.
+        logging.getLogger(name).setLevel(logging.WARNING)
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
         logger = logging.getLogger(name)
         logger.setLevel(logging.WARNING)

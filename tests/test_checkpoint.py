@@ -6,6 +6,7 @@ Read back with the public readers: plain ``torch.load``, ``timm.create_model`` +
 from __future__ import annotations
 
 import io
+import socket
 
 import pytest
 import timm
@@ -156,3 +157,10 @@ def test_s3_checkpoints_through_a_real_s3_server(s3_server, cfg):
     assert "bucket does not exist" in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(CheckpointError, match="bucket does not exist"):
         CheckpointKeeper(missing)  # the monitor refuses to start rather than fail at its first save
+
+    with socket.socket() as probe:  # a port on which nothing listens
+        probe.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    with pytest.raises(CheckpointError) as err:
+        CheckpointKeeper(replace(cfg, s3_endpoint_url=closed))
+    assert "bucket does not exist" not in str(err.value) and "--s3-endpoint-url" in str(err.value)

@@ -71,6 +71,7 @@ class SwarmReporter(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.stop.disarm()  # teardown follows: an interrupt must not cut it short
+        self.strategy.leaving = self.stop.event.is_set()
         linger = self.cfg.swarm.linger
         if linger > 0 and not self.stop.event.is_set():  # the averagers still serve our state until teardown
             log.info("Sharing the final state for %.0f s (linger) so that a monitor can save it", linger)
@@ -78,6 +79,7 @@ class SwarmReporter(L.Callback):
 
     def on_exception(self, trainer: L.Trainer, module: L.LightningModule, exception: BaseException) -> None:
         self.stop.disarm()
+        self.strategy.leaving = self.stop.event.is_set()
 
     def on_train_batch_end(
         self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, idx: int

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import signal
+import threading
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -142,6 +143,8 @@ class HivemindStrategy(SingleDeviceStrategy):
             **optimizer_kwargs,
         )
         self._shut_down = False
+        self.leaving = False  # set when the peer was asked to leave (a signal): shutdown is then bounded
+        self.leave_timeout = 3.0
 
     # ---- properties that roles and callbacks read -------------------------------------------------
     @property
@@ -259,20 +262,47 @@ class HivemindStrategy(SingleDeviceStrategy):
             if opt is not None:
                 averagers = self._averagers()
                 if network_alive and all(a.is_alive() for a in averagers):
-                    opt.shutdown()  # waits for background averaging first, so the parameters are final
+                    # hivemind waits for an averaging round in flight (up to averaging_timeout); a peer that
+                    # was asked to leave (SIGTERM before a spot reclaim) waits only leave_timeout for it
+                    if not self._graceful_shutdown(opt, self.leave_timeout if self.leaving else None):
+                        log.info("Still waiting for an averaging round; stopping the averagers directly")
+                        _terminate(averagers)
                 else:  # a signal to the whole group stopped p2pd or the averagers: no one to say goodbye to
                     log.info("The p2p daemon or the averagers already exited; stopping the rest directly")
-                    for averager in averagers:
-                        if averager.is_alive():
-                            averager.terminate()
-                            averager.join(5)
+                    _terminate(averagers)
         finally:
             log.info("Shutting down the DHT and p2p daemon")
             stop_dht(self.dht, network_alive)
 
+    @staticmethod
+    def _graceful_shutdown(opt: hivemind.Optimizer, timeout: float | None) -> bool:
+        """hivemind's own shutdown (goodbye, final averaging), bounded by ``timeout``; True if it finished."""
+        if timeout is None:
+            opt.shutdown()
+            return True
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                opt.shutdown()
+            except Exception as exc:  # the averagers may be terminated under it
+                log.debug("hivemind's shutdown ended with %r", exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="hivemind-shutdown", daemon=True).start()
+        return done.wait(timeout)
+
     def teardown(self) -> None:
         self.shutdown()
         super().teardown()
+
+
+def _terminate(processes: list) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+            process.join(5)
 
 
 def lr_of(optimizer: Any) -> float:

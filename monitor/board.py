@@ -19,28 +19,21 @@ EVAL_PREFIX = "monitor/"
 EVAL_ACC, EVAL_ACC_TOP5, EVAL_LOSS = (EVAL_PREFIX + t for t in (VAL_ACC, VAL_ACC_TOP5, VAL_LOSS))
 
 
-def read_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar in the event files of ``logdir`` as tag -> [(step, value)], read by TensorBoard itself."""
+def read_run(logdir: Path) -> tuple[dict[str, list[tuple[int, float]]], bool]:
+    """The event files of ``logdir``, read once by TensorBoard itself: every scalar as tag -> [(step, value)]
+    in file order (nothing de-duplicated), and whether hyperparameters were logged."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     if not logdir.is_dir():
-        return {}
+        return {}, False
     acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0}, purge_orphaned_data=False)
     acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
-def _has_hparams(logdir: Path) -> bool:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    if not logdir.is_dir():
-        return False
-    acc = EventAccumulator(str(logdir), size_guidance={"tensors": 0})
-    acc.Reload()
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
     try:
-        return bool(acc.PluginTagToContent("hparams"))
+        has_hparams = bool(acc.PluginTagToContent("hparams"))
     except KeyError:
-        return False
+        has_hparams = False
+    return scalars, has_hparams
 
 
 def flat_hparams(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -59,12 +52,11 @@ class Board:
         from torch.utils.tensorboard import SummaryWriter
 
         self.logdir = logdir
-        existing = read_scalars(logdir)
+        existing, self.hparams_written = read_run(logdir)
         steps = [s for tag, points in existing.items() if not tag.startswith(EVAL_PREFIX) for s, _ in points]
         self.last_step = max(steps, default=-1)
         self.last_eval_step = max((s for s, _ in existing.get(EVAL_ACC, [])), default=-1)
         self.best_logged = max((v for _, v in existing.get(EVAL_ACC, [])), default=None)
-        self.hparams_written = _has_hparams(logdir)
         if existing:
             log.info(
                 "Appending to the TensorBoard run in %s after global epoch %d (evaluation after %d)",

@@ -27,7 +27,7 @@ from swarm.config import ExperimentConfig, save_config
 from swarm.data import build_datasets, val_loader
 from swarm.dht import check_addresses, join_command, start_dht, stop_dht
 from swarm.log import quiet_libraries
-from swarm.model import evaluate, resolve_device
+from swarm.model import autocast_dtype, evaluate, resolve_device
 from swarm.procs import GracefulStop, remove_stale_sockets
 
 log = logging.getLogger(__name__)
@@ -77,8 +77,7 @@ class Evaluator:
             return None
         net = self.model.module
         device = next(net.parameters()).device
-        autocast = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(self.cfg.train.precision)
-        result = evaluate(net, self.loader, device, autocast)
+        result = evaluate(net, self.loader, device, autocast_dtype(self.cfg.train.precision))
         with self.lock:
             self.board.write_eval(epoch, result)
             improved = self.keeper.save(net.net, self.model.optimizer, epoch, result)

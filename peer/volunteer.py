@@ -24,7 +24,7 @@ from swarm.config import ExperimentConfig, save_config
 from swarm.data import build_datasets, peer_seed, train_loader, val_loader
 from swarm.dht import check_addresses, join_command, start_dht, stop_dht
 from swarm.log import quiet_libraries
-from swarm.model import SwarmClassifier, evaluate, param_checksum, resolve_device
+from swarm.model import SwarmClassifier, autocast_dtype, evaluate, param_checksum, resolve_device
 from swarm.procs import GracefulStop, remove_stale_sockets
 from swarm.strategy import HivemindStrategy, lr_of
 
@@ -135,7 +135,7 @@ class SwarmReporter(L.Callback):
     def run_validation(self, module: L.LightningModule, epoch: int) -> dict[str, Any]:
         started = time.perf_counter()
         device = next(module.parameters()).device
-        result = evaluate(module, self.val_data, device, _autocast(self.cfg))
+        result = evaluate(module, self.val_data, device, autocast_dtype(self.cfg.train.precision))
         self.last_val = {"epoch": epoch, **result}
         log.info(
             "Validation at global epoch %d: loss %.4f, acc %.4f, top-5 %.4f on %d samples (%.1f s)",
@@ -230,10 +230,6 @@ class SwarmReporter(L.Callback):
             "skipped_nonfinite_steps": self.strategy.skipped_nonfinite_steps,
             "seconds": time.time() - self.started if hasattr(self, "started") else 0.0,
         }
-
-
-def _autocast(cfg: ExperimentConfig) -> torch.dtype | None:
-    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(cfg.train.precision)
 
 
 def _load_resume(cfg: ExperimentConfig, module: SwarmClassifier) -> dict[str, Any]:

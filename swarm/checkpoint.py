@@ -112,8 +112,6 @@ def save_checkpoint(url: str, payload: dict[str, Any], endpoint_url: str | None 
                 tmp_path = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
                 fs.pipe_file(tmp_path, data)
                 fs.mv(tmp_path, path)
-    except CheckpointError:
-        raise
     except Exception as exc:
         raise CheckpointError(_explain(url, exc)) from None
     log.debug("Saved %s in %.1f s", url, time.perf_counter() - started)
@@ -147,10 +145,6 @@ def check_location(base: str, endpoint_url: str | None = None) -> None:
                 fs.info(bucket)  # unlike exists(), tells a missing bucket from an unreachable endpoint
             except FileNotFoundError:
                 raise FileNotFoundError(f"bucket {bucket!r} not found") from None
-    except CheckpointError:
-        raise
-    except FileNotFoundError as exc:
-        raise CheckpointError(_explain(base, exc)) from None
     except Exception as exc:
         raise CheckpointError(_explain(base, exc)) from None
 

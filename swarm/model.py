@@ -159,6 +159,11 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of a Lightning precision ('bf16-mixed', '16-mixed'); None for full precision."""
+    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+
+
 def param_checksum(module: nn.Module) -> list[float]:
     """Two float64 sums over all parameters (plain and squared): equal parameters give equal sums."""
     total, squares = 0.0, 0.0

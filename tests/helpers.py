@@ -79,6 +79,23 @@ class PeerProcess:
         return code
 
 
+def plain_timm_model(model_cfg):
+    """The model of ``model_cfg`` built with timm alone, as a user who loads a checkpoint would."""
+    import timm
+
+    m = model_cfg
+    return timm.create_model(
+        m.model_name,
+        pretrained=False,
+        num_classes=m.num_classes,
+        img_size=m.img_size,
+        patch_size=m.patch_size,
+        embed_dim=m.embed_dim,
+        depth=m.depth,
+        num_heads=m.num_heads,
+    )
+
+
 def read_summary(log_dir: Path, run_id: str, peer_name: str) -> dict:
     return json.loads((log_dir / run_id / "volunteer" / peer_name / "summary.json").read_text())
 

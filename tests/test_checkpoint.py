@@ -9,7 +9,6 @@ import io
 import socket
 
 import pytest
-import timm
 import torch
 
 from monitor.state import BEST, LAST, CheckpointKeeper
@@ -22,6 +21,7 @@ from swarm.checkpoint import (
 )
 from swarm.config import build_config, replace
 from swarm.model import create_model
+from tests.helpers import plain_timm_model
 
 
 @pytest.fixture(scope="module")
@@ -30,17 +30,7 @@ def cfg():
 
 
 def _timm_model(cfg):
-    m = cfg.model
-    return timm.create_model(
-        m.model_name,
-        pretrained=False,
-        num_classes=m.num_classes,
-        img_size=m.img_size,
-        patch_size=m.patch_size,
-        embed_dim=m.embed_dim,
-        depth=m.depth,
-        num_heads=m.num_heads,
-    )
+    return plain_timm_model(cfg.model)
 
 
 def test_checkpoint_loads_with_plain_torch_and_timm(tmp_path, cfg):

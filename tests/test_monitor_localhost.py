@@ -15,7 +15,6 @@ import signal
 import time
 from pathlib import Path
 
-import timm
 import torch
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
@@ -25,11 +24,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from swarm import metrics
 from swarm.checkpoint import load_checkpoint
-from swarm.config import build_config
+from swarm.config import build_config, replace
 from swarm.data import build_datasets, val_loader
 from swarm.model import evaluate, param_checksum
 from swarm.procs import remove_stale_sockets
-from tests.helpers import PeerProcess, read_summary
+from tests.helpers import PeerProcess, plain_timm_model, read_summary
 
 RUN_ID = "pytest-monitor"
 MAX_EPOCHS = 21
@@ -173,15 +172,7 @@ def test_monitor_logs_evaluates_checkpoints_and_survives_a_restart(peers, tmp_pa
     assert abs(best["metrics"]["val/acc"] - max(v for _, v in board["monitor/val/acc"])) < 1e-6
     cfg = build_config("demo")
     m = cfg.model
-    net = timm.create_model(
-        best["model_name"],
-        num_classes=m.num_classes,
-        img_size=m.img_size,
-        patch_size=m.patch_size,
-        embed_dim=m.embed_dim,
-        depth=m.depth,
-        num_heads=m.num_heads,
-    )
+    net = plain_timm_model(replace(cfg, model_name=best["model_name"]).model)
     net.load_state_dict(best["state_dict"])
     _, val_set = build_datasets(cfg.data, m.img_size)
     result = evaluate(net, val_loader(val_set, cfg.data), torch.device("cpu"))

@@ -81,6 +81,8 @@ def render(status: SwarmStatus) -> str:
         )
         lines.append(f"  this machine:   {status.reachability}")
         return "\n".join(lines)
+    # hivemind's own progress records count a peer whose metrics record lapsed while it was busy
+    # (downloading state, or stuck in a long round), so the larger of the two counts is the live one
     trainers = [p for p in status.progress if p.samples_per_second > 0 or p.samples_accumulated > 0]
     epoch = max([p.epoch for p in status.progress] + [r.global_epoch for r in status.records])
     at_epoch = [p for p in status.progress if p.epoch == epoch]
@@ -92,7 +94,7 @@ def render(status: SwarmStatus) -> str:
     percent = 100 * accumulated / max(target, 1)
     clients = sum(1 for p in status.progress if p.client_mode)
     lines += [
-        f"  peers:          {len(status.records) or len(trainers)} training ({clients} in client mode)",
+        f"  peers:          {max(len(status.records), len(trainers))} training ({clients} in client mode)",
         f"  global epoch:   {epoch}",
         f"  samples/s:      {sps:.1f} (sum over peers, averaging waits included)",
         f"  next step:      {accumulated} / {target} samples ({percent:.0f}%){eta}",

@@ -8,41 +8,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 from monitor.aggregate import EpochPoint
 from swarm.config import ExperimentConfig
+from swarm.logbook import read_run, write_hparams
 from swarm.metrics import SWARM_EPOCH, SWARM_PEERS, SWARM_SPS, TRAIN_LOSS, VAL_ACC, VAL_ACC_TOP5, VAL_LOSS
 
 log = logging.getLogger(__name__)
 EVAL_PREFIX = "monitor/"
 EVAL_ACC, EVAL_ACC_TOP5, EVAL_LOSS = (EVAL_PREFIX + t for t in (VAL_ACC, VAL_ACC_TOP5, VAL_LOSS))
-
-
-def read_run(logdir: Path) -> tuple[dict[str, list[tuple[int, float]]], bool]:
-    """The event files of ``logdir``, read once by TensorBoard itself: every scalar as tag -> [(step, value)]
-    in file order (nothing de-duplicated), and whether hyperparameters were logged."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    if not logdir.is_dir():
-        return {}, False
-    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0}, purge_orphaned_data=False)
-    acc.Reload()
-    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-    try:
-        has_hparams = bool(acc.PluginTagToContent("hparams"))
-    except KeyError:
-        has_hparams = False
-    return scalars, has_hparams
-
-
-def flat_hparams(cfg: ExperimentConfig) -> dict[str, Any]:
-    """The resolved config as section.field -> int/float/str/bool (what the HPARAMS tab takes)."""
-    out: dict[str, Any] = {}
-    for section, values in cfg.to_dict().items():
-        for key, value in values.items():
-            out[f"{section}.{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
-    return out
 
 
 class Board:
@@ -71,15 +45,7 @@ class Board:
         """Log the run's hyperparameters and its config as text, once per TensorBoard run."""
         if self.hparams_written:
             return
-        import yaml
-        from torch.utils.tensorboard.summary import hparams
-
-        metrics = {EVAL_ACC: 0.0, VAL_ACC: 0.0, TRAIN_LOSS: 0.0}
-        for summary in hparams(flat_hparams(cfg), metrics):
-            self.writer.file_writer.add_summary(summary)
-        text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-        self.writer.add_text("config", "    " + text.replace("\n", "\n    "), 0)
-        self.writer.flush()
+        write_hparams(self.writer, cfg, [EVAL_ACC, VAL_ACC, TRAIN_LOSS])
         self.hparams_written = True
 
     def write_point(self, point: EpochPoint) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from swarm.config import DATASETS, DEVICES, PRECISIONS, ConfigError, build_config
+from swarm.config import DATASETS, DEVICES, PRECISIONS, STRATEGIES, ConfigError, build_config
 
 
 def _fail_cleanly(func: Callable) -> Callable:
@@ -287,6 +287,112 @@ def status(timeout: float, **params: Any) -> None:
 
     click.echo(render(collect(cfg, timeout=timeout)))
     _exit_quietly()
+
+
+class BatchSize(click.ParamType):
+    """An integer >= 1, or 'auto' (find the largest that fits)."""
+
+    name = "INTEGER|auto"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
+        if isinstance(value, int) or str(value).lower() == "auto":
+            return value if isinstance(value, int) else "auto"
+        try:
+            number = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a whole number nor 'auto'", param, ctx)
+        if number < 1:
+            self.fail(f"{number} is below 1; give a batch size >= 1 or 'auto'", param, ctx)
+        return number
+
+
+@main.command()
+@click.option(
+    "--config", "config", default=None, help="YAML experiment: a path, or demo, flagship, ddp, fsdp, ..."
+)
+@click.option("--strategy", type=click.Choice(STRATEGIES), default=None, help="How to distribute [ddp].")
+@click.option(
+    "--devices",
+    type=click.IntRange(1),
+    default=None,
+    help="Devices per node [torchrun's, else all GPUs, else 1].",
+)
+@click.option("--num-nodes", type=click.IntRange(1), default=None, help="Machines in the run [1].")
+@click.option(
+    "--batch-size",
+    type=BatchSize(),
+    default=None,
+    help="Per-device batch, or 'auto' for the largest that fits.",
+)
+@click.option("--max-batch-size", type=click.IntRange(1), default=None, help="Upper end of the auto search.")
+@click.option(
+    "--target-batch-size",
+    type=int,
+    default=None,
+    help="Samples per optimizer step (global epoch), as in the swarm.",
+)
+@click.option("--precision", type=click.Choice(PRECISIONS), default=None, help="Numeric precision.")
+@click.option("--device", type=click.Choice(DEVICES), default=None, help="auto, cpu (gloo) or cuda (NCCL).")
+@click.option("--max-epochs", type=int, default=None, help="Stop at this global epoch (optimizer step).")
+@click.option("--max-time", type=float, default=None, help="Stop after this many seconds.")
+@click.option("--dataset", type=click.Choice(DATASETS), default=None, help="cifar10 or digits (offline).")
+@click.option("--data-dir", default=None, help="Folder holding cifar-10-batches-py.")
+@click.option("--download/--no-download", default=None, help="Download CIFAR-10 if missing.")
+@click.option("--model", "model_name", default=None, help="timm model name [vit_base_patch32_224].")
+@click.option("--lr", type=float, default=None, help="Peak learning rate.")
+@click.option("--seed", type=int, default=None, help="Sampler seed, the same on every rank [0].")
+@click.option("--threads", type=int, default=None, help="torch threads per process.")
+@click.option("--eval-every", type=int, default=None, help="Validate every N global epochs.")
+@click.option("--log-every", type=float, default=None, help="Seconds between progress lines.")
+@click.option("--limit-train-samples", type=int, default=None, help="Train on the first N images only.")
+@click.option("--run-id", default=None, help="Runs land in <log-dir>/<run-id>/<strategy>.")
+@click.option("--log-dir", default=None, help="Root of runs/<run_id>/... [runs].")
+@checkpoint_options
+@click.option("--verbose", is_flag=True, help="Show Lightning's and torch's own messages.")
+@_fail_cleanly
+def local(**params: Any) -> None:
+    """Train the same model and data with standard distributed training (DDP, FSDP, ...) through Lightning.
+
+    \b
+    One machine:   swarm-peer local --strategy ddp --devices 2
+    torchrun:      torchrun --nproc_per_node=2 -m peer local --strategy ddp
+    CPU rehearsal: swarm-peer local --config ddp_cpu (gloo, 2 processes)
+    """
+    batch = params.pop("batch_size")
+    params["auto_batch_size"] = True if batch == "auto" else None
+    params["batch_size"] = None if batch == "auto" else batch
+    cfg = _config_from(params)
+    from peer.cluster import dist_env
+    from swarm.log import setup_logging
+
+    rank = dist_env().rank
+    setup_logging(params["verbose"], quiet=rank != 0)
+    from peer.cluster import run_local  # heavy: torch, timm, lightning
+
+    summary = run_local(cfg)
+    if summary:
+        best = summary["best_val_acc"]
+        click.echo(
+            f"Done: {summary['strategy']} x{summary['world_size']}, global epoch {summary['global_epochs']}, "
+            f"best val acc {best if best is None else round(best, 4)}, "
+            f"{summary['samples_per_second']:.1f} samples/s"
+        )
+
+
+@main.command()
+@click.argument("log_dir", type=click.Path(file_okay=False), default="runs")
+@click.option("--out", default=None, help="Folder for report.md and report.png [LOG_DIR].")
+@_fail_cleanly
+def report(log_dir: str, out: str | None) -> None:
+    """Write a Markdown table of every run under LOG_DIR (swarm and local) and a PNG of val/acc over time."""
+    from swarm.log import setup_logging
+
+    setup_logging()
+    from monitor.report import write_report
+
+    table, md, png = write_report(log_dir, out)
+    click.echo(table)
+    click.echo(f"\nWrote {md} and {png}")
 
 
 @main.command()

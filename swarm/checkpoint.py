@@ -184,18 +184,21 @@ def load_checkpoint(url: str, endpoint_url: str | None = None) -> dict[str, Any]
 
 
 def make_checkpoint(
-    net: torch.nn.Module,
+    net: torch.nn.Module | None,
     cfg: ExperimentConfig,
     global_epoch: int,
     metrics: dict[str, float],
     optimizer: torch.optim.Optimizer | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
-    """The checkpoint dict for the timm model ``net`` (weights copied to the CPU)."""
+    """The checkpoint dict for the timm model ``net`` (weights copied to the CPU). ``state_dict`` replaces
+    ``net.state_dict()`` when the weights were gathered elsewhere (a sharded FSDP model; net=None then)."""
+    weights = state_dict if state_dict is not None else net.state_dict()
     return {
         "format": FORMAT,
         "model_name": cfg.model.model_name,
         "global_epoch": int(global_epoch),
-        "state_dict": {k: v.detach().to("cpu", copy=True) for k, v in net.state_dict().items()},
+        "state_dict": {k: v.detach().to("cpu", copy=True) for k, v in weights.items()},
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "metrics": {k: float(v) for k, v in metrics.items()},
         "config": cfg.to_dict(),

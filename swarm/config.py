@@ -19,6 +19,7 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
 DEVICES = ("auto", "cpu", "cuda")
 DATASETS = ("digits", "cifar10")
+STRATEGIES = ("ddp", "fsdp", "ddp_spawn", "dp", "single")
 
 
 class ConfigError(ValueError):
@@ -269,6 +270,33 @@ class MonitorConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """`swarm-peer local`: standard distributed training of the same model and data through Lightning."""
+
+    strategy: str = "ddp"
+    """'ddp' (one process per device), 'fsdp' (parameters, gradients and optimizer state sharded; the ViT
+    block is the wrap unit), 'ddp_spawn', 'dp' (one process splits each batch over its GPUs) or 'single'."""
+    devices: int | None = None
+    """Devices (processes) per node; None uses torchrun's --nproc_per_node, else every GPU, else 1 CPU."""
+    num_nodes: int = 1
+    """Machines in the run; under torchrun it must match --nnodes."""
+    auto_batch_size: bool = False
+    """Find the largest per-device batch that fits (a binary search of real training steps) and use it."""
+    max_batch_size: int = 4096
+    """Upper end of the batch-size search; on the CPU, where memory is no hard limit, it stops here."""
+
+    def __post_init__(self) -> None:
+        _check(self.strategy in STRATEGIES, "strategy", self.strategy, f"one of {', '.join(STRATEGIES)}")
+        _check(self.devices is None or self.devices >= 1, "devices", self.devices, "an integer >= 1")
+        _check(self.num_nodes >= 1, "num_nodes", self.num_nodes, "an integer >= 1")
+        _check(self.max_batch_size >= 1, "max_batch_size", self.max_batch_size, "an integer >= 1")
+        if self.strategy in ("single", "dp"):
+            _check(self.num_nodes == 1, "num_nodes", self.num_nodes, f"1 with strategy {self.strategy!r}")
+        if self.strategy == "single":
+            _check(self.devices in (None, 1), "devices", self.devices, "1 with strategy 'single'")
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     """The whole experiment: everything a role needs, resolved and validated."""
 
@@ -278,6 +306,7 @@ class ExperimentConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
         if self.swarm.target_batch_size < self.data.batch_size:
@@ -309,6 +338,7 @@ _SECTION_TYPES = {
     "train": TrainConfig,
     "checkpoint": CheckpointConfig,
     "monitor": MonitorConfig,
+    "cluster": ClusterConfig,
 }
 FIELD_SECTION: dict[str, str] = {
     f.name: section for section, cls in _SECTION_TYPES.items() for f in dataclasses.fields(cls)

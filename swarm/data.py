@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from swarm.config import DataConfig
 
@@ -192,4 +192,40 @@ def val_loader(dataset: Dataset, cfg: DataConfig) -> DataLoader:
     """Sequential validation loader."""
     return DataLoader(
         dataset, batch_size=max(cfg.batch_size, 128), shuffle=False, num_workers=cfg.num_workers
+    )
+
+
+class PaddedDataset(Dataset):
+    """``dataset`` padded with blank items labelled -1 to a multiple of ``multiple``. Every rank then gets
+    the same number of validation batches (a sharded model needs every rank in every forward pass), and no
+    real image is counted twice: the model's validation step drops label -1."""
+
+    def __init__(self, dataset: Dataset, multiple: int) -> None:
+        self.dataset, self.n = dataset, len(dataset)
+        self.total = -(-self.n // multiple) * multiple
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if index < self.n:
+            return self.dataset[index]
+        image, _ = self.dataset[0]
+        return torch.zeros_like(image), -1
+
+
+def shard_loaders(
+    train: Dataset, val: Dataset, cfg: DataConfig, batch_size: int, rank: int, world: int, seed: int
+) -> tuple[DataLoader, DataLoader]:
+    """Loaders for one rank of ``world``: disjoint shards through DistributedSampler (the same ``seed`` on
+    every rank; Lightning calls ``set_epoch`` on the sampler every data epoch, which reshuffles)."""
+    train_sampler = DistributedSampler(
+        train, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True
+    )
+    padded = PaddedDataset(val, world)
+    val_sampler = DistributedSampler(padded, num_replicas=world, rank=rank, shuffle=False)
+    common = dict(num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0)
+    return (
+        DataLoader(train, batch_size=batch_size, sampler=train_sampler, drop_last=True, **common),
+        DataLoader(padded, batch_size=max(batch_size, 128), sampler=val_sampler, **common),
     )

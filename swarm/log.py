@@ -11,9 +11,10 @@ import warnings
 FORMAT = "%(asctime)s %(levelname).1s %(name)s | %(message)s"
 
 
-def setup_logging(verbose: bool = False) -> None:
-    """Configure the root logger once: INFO to stderr (DEBUG with ``verbose``), quiet library chatter."""
-    level = logging.DEBUG if verbose else logging.INFO
+def setup_logging(verbose: bool = False, quiet: bool = False) -> None:
+    """Configure the root logger once: INFO to stderr (DEBUG with ``verbose``, WARNING with ``quiet``, as on
+    every rank but 0 in local mode), and quiet library chatter."""
+    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
     root = logging.getLogger()
     if not any(getattr(h, "_swarm", False) for h in root.handlers):
         handler = logging.StreamHandler(sys.stderr)
@@ -86,7 +87,7 @@ class OneLineErrors(logging.Filter):
 
 def quiet_libraries() -> None:
     """Keep Lightning's start-up banner and known-harmless warnings out of the peer's log."""
-    for name in ("aiobotocore", "botocore", "s3fs"):  # "Found credentials in environment variables." etc.
+    for name in ("aiobotocore", "botocore", "s3fs", "tensorboard"):  # "Found credentials ..." and the like
         logging.getLogger(name).setLevel(logging.WARNING)
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
         logger = logging.getLogger(name)
@@ -97,6 +98,7 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*torch.jit.script.*")
     warnings.filterwarnings("ignore", message=".*no `val_dataloader`.*")
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+    warnings.filterwarnings("ignore", message=".*all_gather is deprecated.*")  # Lightning 2.6 on torch 2.15
     warnings.filterwarnings("ignore", category=FutureWarning, module="timm")
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=".*is deprecated.*", module="hivemind")

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarm.config import ModelConfig, TrainConfig
-from swarm.metrics import TRAIN_LOSS, VAL_ACC, VAL_ACC_TOP5, VAL_LOSS
 
 
 class ModelError(ValueError):
@@ -80,16 +79,36 @@ class SwarmClassifier(L.LightningModule):
         self.model_cfg, self.train_cfg = model_cfg, train_cfg
         self.net = create_model(model_cfg)
         self.last_loss: float | None = None
+        self.last_val: dict[str, float] | None = None  # the latest validation, equal on every rank
+        self.sharded = False
         self._val_sums = torch.zeros(4, dtype=torch.float64)  # loss*n, correct, correct_top5, n
+        self._replicas: nn.Module | None = None  # DataParallel view of net (strategy 'dp'); not a submodule
+
+    def use_data_parallel(self, device_ids: list[int]) -> None:
+        """Split every batch over these GPUs of this process (torch.nn.DataParallel; strategy 'dp')."""
+        object.__setattr__(self, "_replicas", nn.DataParallel(self.net, device_ids=device_ids))
+
+    def configure_model(self) -> None:
+        """Under Lightning's ModelParallelStrategy (our 'fsdp'): shard with FSDP2, one unit per transformer
+        block plus the root (patch embedding, head). Parameters, gradients and AdamW state are then split
+        over the data-parallel ranks. Other strategies leave the model whole."""
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is None or self.sharded:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        for block in getattr(self.net, "blocks", []):
+            fully_shard(block, mesh=mesh["data_parallel"])
+        fully_shard(self.net, mesh=mesh["data_parallel"])
+        self.sharded = True
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.net(images)
+        return (self._replicas or self.net)(images)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, target = batch
         loss = F.cross_entropy(self(images), target)
-        self.last_loss = float(loss.detach())
-        self.log(TRAIN_LOSS, loss, prog_bar=True, batch_size=len(target))
+        self.last_loss = float(loss.detach())  # the roles' reporters average and log it
         return loss
 
     def on_validation_epoch_start(self) -> None:
@@ -98,17 +117,23 @@ class SwarmClassifier(L.LightningModule):
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         images, target = batch
         logits = self(images)
-        loss = F.cross_entropy(logits, target, reduction="sum")
+        real = target >= 0  # padding (label -1) keeps ranks' shards equal in length; it never counts
+        logits, target = logits[real], target[real]
+        loss = F.cross_entropy(logits.float(), target, reduction="sum") if len(target) else logits.sum() * 0
         top1, top5 = accuracy_counts(logits, target)
         self._val_sums += torch.tensor(
             [float(loss), top1, top5, len(target)], dtype=torch.float64, device=self.device
         )
 
     def on_validation_epoch_end(self) -> None:
-        sums = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum")
+        sums = self.trainer.strategy.reduce(self._val_sums.clone(), reduce_op="sum")
         n = max(float(sums[3]), 1.0)
-        for tag, value in ((VAL_LOSS, sums[0] / n), (VAL_ACC, sums[1] / n), (VAL_ACC_TOP5, sums[2] / n)):
-            self.log(tag, float(value), rank_zero_only=True)
+        self.last_val = {
+            "loss": float(sums[0]) / n,
+            "acc": float(sums[1]) / n,
+            "acc_top5": float(sums[2]) / n,
+            "samples": int(sums[3]),
+        }
 
     def configure_optimizers(self) -> dict[str, Any]:
         decay = [p for p in self.parameters() if p.ndim >= 2]

@@ -18,11 +18,14 @@ JOIN_RE = re.compile(r"swarm-peer join --initial-peers (\S+)")
 class PeerProcess:
     """A `python -m peer ...` process in its own process group, with its output collected line by line."""
 
-    def __init__(self, name: str, args: list[str], registry: list[PeerProcess]) -> None:
+    def __init__(
+        self, name: str, args: list[str], registry: list[PeerProcess], launcher: list[str] | None = None
+    ) -> None:
+        """``launcher`` replaces ``python`` in front of ``-m peer`` (e.g. torchrun and its flags)."""
         self.name, self.args = name, args
         self.lines: list[str] = []
         self.proc = start_group(
-            [sys.executable, "-m", "peer", *args],
+            [*(launcher or [sys.executable]), "-m", "peer", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

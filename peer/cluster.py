@@ -1,0 +1,474 @@
+"""`swarm-peer local`: the same LightningModule and data as `join`, trained the standard way by Lightning.
+
+DDP and FSDP use NCCL on GPUs and gloo on the CPU (the CPU case rehearses a cluster run on a laptop).
+Under torchrun every process runs this role; without it Lightning starts the other processes itself.
+One global epoch is one optimizer step over about ``target_batch_size`` samples (gradients are
+accumulated to reach it), exactly as in the swarm, so ``--max-epochs``, the learning-rate schedule and
+the TensorBoard x-axis mean the same thing in both ways of training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from swarm.checkpoint import check_location, join_url, make_checkpoint, save_checkpoint
+from swarm.config import ConfigError, ExperimentConfig, save_config
+from swarm.data import build_datasets, shard_loaders
+from swarm.logbook import write_hparams
+from swarm.metrics import SYS_GPU_MEM, SYS_GPU_UTIL, TRAIN_LOSS, TRAIN_SPS, VAL_ACC, VAL_ACC_TOP5, VAL_LOSS
+from swarm.model import SwarmClassifier, autocast_dtype, resolve_device
+from swarm.sysmetrics import GpuSampler
+from swarm.tuning import largest_batch, step_fits
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """What the launcher (torchrun, or Lightning for the processes it starts) told this process."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    torchrun: bool = False
+
+
+def dist_env(environ: dict[str, str] | None = None) -> DistEnv:
+    """The one helper that reads the launcher's variables (RANK, LOCAL_RANK, WORLD_SIZE, ...)."""
+    e = os.environ if environ is None else environ
+    local_rank = int(e.get("LOCAL_RANK", 0))
+    node_rank = int(e.get("GROUP_RANK", e.get("NODE_RANK", 0)))
+    local_world = int(e.get("LOCAL_WORLD_SIZE", 1))
+    rank = int(e.get("RANK", node_rank * local_world + local_rank))
+    return DistEnv(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=int(e.get("WORLD_SIZE", 1)),
+        local_world_size=local_world,
+        node_rank=node_rank,
+        torchrun="TORCHELASTIC_RUN_ID" in e,
+    )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The resolved shape of the run: who trains where, and with which batch."""
+
+    strategy: str
+    accelerator: str  # 'cuda' or 'cpu'
+    devices: int  # devices per node (for 'dp': the GPUs one process splits each batch over)
+    num_nodes: int
+    world_size: int  # data-parallel processes
+
+    @property
+    def devices_total(self) -> int:
+        """Devices that each take a per-device batch in one step."""
+        return self.devices * self.num_nodes
+
+    def accumulation(self, batch_size: int, target: int) -> int:
+        """Micro-batches per optimizer step so that one step covers about ``target`` samples."""
+        return max(1, round(target / (batch_size * self.devices_total)))
+
+
+def make_plan(cfg: ExperimentConfig, env: DistEnv) -> Plan:
+    """Check the cluster flags against the machine and the launcher; a mismatch is a ConfigError."""
+    c, strategy = cfg.cluster, cfg.cluster.strategy
+    try:
+        accelerator = resolve_device(cfg.train.device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.train.max_epochs is None and cfg.train.max_time is None:
+        raise ConfigError(
+            "local training needs a stop: pass --max-epochs N (global epochs) or --max-time SECONDS"
+        )
+    if cfg.train.precision == "16-mixed" and accelerator == "cpu":
+        raise ConfigError("precision='16-mixed' needs a CUDA GPU; use 'bf16-mixed' or '32-true' on the CPU")
+    gpus = torch.cuda.device_count() if accelerator == "cuda" else 0
+    nodes = c.num_nodes
+    if env.torchrun:
+        if strategy in ("ddp_spawn", "dp", "single") and env.world_size > 1:
+            raise ConfigError(
+                f"--strategy {strategy} starts its own processes (or none); under torchrun use ddp or fsdp"
+            )
+        if c.devices is not None and c.devices != env.local_world_size:
+            raise ConfigError(
+                f"torchrun started {env.local_world_size} processes per node (--nproc_per_node), --devices "
+                f"says {c.devices}; drop --devices or make them equal"
+            )
+        torchrun_nodes = max(1, env.world_size // env.local_world_size)
+        if nodes not in (1, torchrun_nodes):
+            raise ConfigError(
+                f"torchrun has {torchrun_nodes} node(s) (--nnodes), --num-nodes says {nodes}; make them equal"
+            )
+        devices, nodes = env.local_world_size, torchrun_nodes
+    elif strategy == "single":
+        devices = 1
+    else:
+        devices = c.devices or (gpus if accelerator == "cuda" else 1)
+    if accelerator == "cuda" and devices > gpus:
+        raise ConfigError(
+            f"--devices {devices} but this machine has {gpus} visible GPU(s); use at most {gpus}"
+        )
+    if strategy == "dp" and accelerator == "cpu" and devices > 1:
+        raise ConfigError(
+            "--strategy dp splits each batch over GPUs; on the CPU rehearse with --strategy ddp"
+        )
+    world = 1 if strategy in ("dp", "single") else devices * nodes
+    return Plan(strategy, accelerator, devices, nodes, world)
+
+
+def lightning_strategy(plan: Plan) -> Any:
+    """Lightning's strategy for the plan: DDP/ddp_spawn (NCCL on GPUs, gloo on the CPU), FSDP2 through
+    ModelParallelStrategy (it shards on the CPU too), or one device."""
+    if plan.strategy == "fsdp":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(
+            data_parallel_size=plan.world_size, tensor_parallel_size=1, save_distributed_checkpoint=False
+        )
+    if plan.strategy in ("dp", "single"):
+        from lightning.pytorch.strategies import SingleDeviceStrategy
+
+        return SingleDeviceStrategy(device=torch.device("cuda", 0) if plan.accelerator == "cuda" else "cpu")
+    return plan.strategy
+
+
+class ShardedData(L.LightningDataModule):
+    """Train and validation loaders for this rank: disjoint shards, the same sampler seed on every rank."""
+
+    def __init__(self, train_set: Any, val_set: Any, cfg: ExperimentConfig, plan: Plan, seed: int) -> None:
+        super().__init__()
+        self.train_set, self.val_set, self.cfg, self.plan, self.seed = train_set, val_set, cfg, plan, seed
+        self.batch_size = cfg.data.batch_size  # per device; --batch-size auto changes it before fitting
+
+    def _loaders(self) -> tuple[Any, Any]:
+        per_process = self.batch_size * (self.plan.devices if self.plan.strategy == "dp" else 1)
+        t = self.trainer
+        return shard_loaders(
+            self.train_set, self.val_set, self.cfg.data, per_process, t.global_rank, t.world_size, self.seed
+        )
+
+    def train_dataloader(self) -> Any:
+        return self._loaders()[0]
+
+    def val_dataloader(self) -> Any:
+        return self._loaders()[1]
+
+
+def _local_checksum(module: torch.nn.Module) -> list[float]:
+    """Sums over this rank's parameters (its shards under FSDP), plain and squared."""
+    total, squares = 0.0, 0.0
+    with torch.no_grad():
+        for p in module.parameters():
+            d = (p.to_local() if hasattr(p, "to_local") else p).detach().double()
+            total, squares = total + float(d.sum()), squares + float((d * d).sum())
+    return [total, squares]
+
+
+def _free_run_dir(root: Path, name: str) -> Path:
+    """runs/<run_id>/<strategy>, or <strategy>-2, -3, ... when an earlier run is there."""
+    candidate, n = root / name, 1
+    while candidate.exists():
+        n += 1
+        candidate = root / f"{name}-{n}"
+    return candidate
+
+
+class LocalReporter(L.Callback):
+    """Per global epoch: loss and samples/s summed over ranks, GPU figures, TensorBoard on rank 0, the stop;
+    after each validation: val metrics, last.ckpt and best.ckpt. Writes the run's summary.json at the end."""
+
+    def __init__(self, cfg: ExperimentConfig, plan: Plan, data: ShardedData) -> None:
+        self.cfg, self.plan, self.data = cfg, plan, data
+        self.writer: Any = None
+        self.run_dir: Path | None = None
+        self.best: float | None = None
+        self.best_epoch: int | None = None
+        self.batch_found: int | None = None
+        self.shards: dict[int, list[int]] = {}
+        self.val_seconds, self.samples = 0.0, 0
+        self.validated_at: int | None = None
+        self.curve: list[tuple[float, int, float]] = []
+
+    # -- set-up: batch size, accumulation, TensorBoard ------------------------------------------------
+    def setup(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
+        if not logging.getLogger().handlers:  # a process that ddp_spawn started: same logging as rank 0's
+            from swarm.log import setup_logging
+
+            setup_logging(quiet=not trainer.is_global_zero)
+        if self.cfg.train.threads:
+            torch.set_num_threads(self.cfg.train.threads)
+        torch.manual_seed(self.data.seed + trainer.global_rank)  # augmentations differ per rank
+        self.main = trainer.is_global_zero
+        if self.cfg.cluster.auto_batch_size:
+            self._search_batch(trainer, module)
+        accumulate = self.plan.accumulation(self.data.batch_size, self.cfg.swarm.target_batch_size)
+        trainer.accumulate_grad_batches = accumulate
+        trainer.val_check_interval = self.cfg.train.eval_every * accumulate
+        self.global_batch = self.data.batch_size * self.plan.devices_total * accumulate
+        if not self.main:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.run_dir = _free_run_dir(Path(self.cfg.train.log_dir) / self.cfg.swarm.run_id, self.plan.strategy)
+        self.ckpt_dir = self.cfg.checkpoint.checkpoint_uri or str(self.run_dir / "checkpoints")
+        check_location(self.ckpt_dir, self.cfg.checkpoint.s3_endpoint_url)
+        self.writer = SummaryWriter(log_dir=str(self.run_dir), flush_secs=10)
+        write_hparams(self.writer, self.cfg, [VAL_ACC, TRAIN_LOSS])
+        save_config(self.cfg, self.run_dir / "config.yaml")
+        log.info(
+            "%s on %d %s device(s) x %d node(s), world size %d: %d per device x %d devices x %d accumulated "
+            "= global batch %d (target %d); TensorBoard in %s",
+            self.plan.strategy,
+            self.plan.devices,
+            self.plan.accelerator,
+            self.plan.num_nodes,
+            self.plan.world_size,
+            self.data.batch_size,
+            self.plan.devices_total,
+            accumulate,
+            self.global_batch,
+            self.cfg.swarm.target_batch_size,
+            self.run_dir,
+        )
+
+    def _search_batch(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        device = trainer.strategy.root_device
+        m = self.cfg.model
+        fits = step_fits(
+            module.net, m.num_classes, m.img_size, device, autocast_dtype(self.cfg.train.precision)
+        )
+        limit = self.cfg.cluster.max_batch_size
+        if device.type == "cpu":
+            limit = min(limit, max(1, len(self.data.train_set) // self.plan.world_size))
+        found, _ = largest_batch(fits, self.cfg.data.batch_size, limit)
+        found = int(
+            trainer.strategy.all_gather(torch.tensor(found, device=device)).min()
+        )  # every rank fits it
+        if found < 1:
+            raise ConfigError(
+                f"not even a batch of 1 fits on {device}; use a smaller model or --strategy fsdp"
+            )
+        self.batch_found = self.data.batch_size = found
+        note = " (memory is no hard limit on the CPU: capped by --max-batch-size and the shard)" * (
+            device.type == "cpu"
+        )
+        note += " (measured on the unsharded model; FSDP may fit more)" * (self.plan.strategy == "fsdp")
+        if trainer.is_global_zero:
+            log.info("Largest batch per device: %d%s", found, note)
+
+    # -- training -------------------------------------------------------------------------------------
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.gpu = GpuSampler(trainer.strategy.root_device).start()
+        self.started = self.window_start = self.next_log = time.time()
+        self.step = trainer.global_step
+        self.window = torch.zeros(3, dtype=torch.float64)  # loss * n, n, samples
+        if self.writer is not None and self.batch_found is not None:
+            self.writer.add_text("batch_size_found", str(self.batch_found), 0)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        sampler = trainer.train_dataloader.sampler
+        if trainer.current_epoch < 2 and trainer.current_epoch not in self.shards:
+            self.shards[int(getattr(sampler, "epoch", trainer.current_epoch))] = [int(i) for i in sampler]
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, idx: int) -> None:
+        n = len(batch[1])
+        self.window += torch.tensor([(module.last_loss or 0.0) * n, n, n], dtype=torch.float64)
+        if trainer.global_step == self.step:
+            return
+        self.step = trainer.global_step
+        self._end_global_epoch(trainer, module)
+        if self.cfg.train.max_epochs is not None and self.step >= self.cfg.train.max_epochs:
+            trainer.should_stop = True  # Lightning then validates this last step before it stops
+
+    def _end_global_epoch(self, trainer: L.Trainer, module: Any) -> None:
+        mem, util = self.gpu.latest()
+        row = torch.tensor([*self.window.tolist(), mem or -1.0, util or -1.0], dtype=torch.float64)
+        rows = trainer.strategy.all_gather(row.to(trainer.strategy.root_device)).reshape(-1, 5).cpu()
+        seconds = max(time.time() - self.window_start, 1e-6)
+        self.window_start, self.window = time.time(), torch.zeros(3, dtype=torch.float64)
+        self.samples += int(rows[:, 2].sum())
+        if not self.main:
+            return
+        loss, sps = float(rows[:, 0].sum() / rows[:, 1].sum().clamp(min=1)), float(rows[:, 2].sum()) / seconds
+        add = self.writer.add_scalar
+        add(TRAIN_LOSS, loss, self.step)
+        add(TRAIN_SPS, sps, self.step)
+        gpu = ""
+        if float(rows[:, 3].max()) >= 0:
+            add(SYS_GPU_MEM, float(rows[:, 3].max()), self.step)
+            add(SYS_GPU_UTIL, float(rows[:, 4].mean()), self.step)
+            gpu = f" | gpu {float(rows[:, 3].max()):.1f} GB, {float(rows[:, 4].mean()):.0f}% busy"
+        if time.time() >= self.next_log:
+            self.next_log = time.time() + self.cfg.train.log_every
+            lr = trainer.optimizers[0].param_groups[0]["lr"]
+            log.info(
+                "global epoch %d | data epoch %d | loss %.4f | %.1f samples/s | lr %.2e%s",
+                self.step,
+                trainer.current_epoch,
+                loss,
+                sps,
+                lr,
+                gpu,
+            )
+
+    # -- validation and checkpoints -------------------------------------------------------------------
+    def on_validation_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.val_started = time.time()
+
+    def on_validation_end(self, trainer: L.Trainer, module: Any) -> None:
+        self.val_seconds += time.time() - self.val_started
+        val, epoch = module.last_val, trainer.global_step
+        if trainer.sanity_checking or val is None or epoch == self.validated_at:
+            return
+        self.validated_at = epoch
+        better = self.best is None or val["acc"] > self.best
+        if better:
+            self.best, self.best_epoch = val["acc"], epoch
+        state = trainer.strategy.lightning_module_state_dict()  # every rank: FSDP gathers the shards here
+        if not self.main:
+            return
+        for tag, key in ((VAL_ACC, "acc"), (VAL_ACC_TOP5, "acc_top5"), (VAL_LOSS, "loss")):
+            self.writer.add_scalar(tag, val[key], epoch)
+        self.writer.flush()
+        self.curve.append((time.time() - self.started, epoch, val["acc"]))
+        log.info(
+            "Validation at global epoch %d: loss %.4f, acc %.4f, top-5 %.4f on %d images",
+            epoch,
+            val["loss"],
+            val["acc"],
+            val["acc_top5"],
+            val["samples"],
+        )
+        weights = {k[len("net.") :]: v for k, v in state.items() if k.startswith("net.")}
+        optimizer = trainer.optimizers[0] if self.plan.strategy != "fsdp" else None  # FSDP's is sharded
+        metrics = {VAL_ACC: val["acc"], VAL_ACC_TOP5: val["acc_top5"], VAL_LOSS: val["loss"]}
+        payload = make_checkpoint(None, self.cfg, epoch, metrics, optimizer, state_dict=weights)
+        save_checkpoint(join_url(self.ckpt_dir, "last.ckpt"), payload, self.cfg.checkpoint.s3_endpoint_url)
+        if better:
+            url = join_url(self.ckpt_dir, "best.ckpt")
+            save_checkpoint(url, payload, self.cfg.checkpoint.s3_endpoint_url)
+            log.info("Saved %s (val acc %.4f at global epoch %d)", url, val["acc"], epoch)
+
+    # -- the end --------------------------------------------------------------------------------------
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.gpu.stop()
+        mine = {
+            "rank": trainer.global_rank,
+            "shards": {str(k): v for k, v in self.shards.items()},
+            "param_checksum": _local_checksum(module),
+            "local_parameters": sum(
+                (p.to_local() if hasattr(p, "to_local") else p).numel() for p in module.parameters()
+            ),
+            "peak_allocated_gb": self.gpu.peak_allocated_gb(),
+            "mean_gpu_util": self.gpu.mean_util(),
+        }
+        ranks = [mine]
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and trainer.world_size > 1:
+            ranks = [None] * trainer.world_size
+            torch.distributed.all_gather_object(ranks, mine)
+        if self.main:
+            self._write_summary(trainer, ranks)
+
+    def _write_summary(self, trainer: L.Trainer, ranks: list[dict[str, Any]]) -> None:
+        wall = time.time() - self.started
+        train_seconds = max(wall - self.val_seconds, 1e-6)
+        peaks = [r["peak_allocated_gb"] for r in ranks if r["peak_allocated_gb"] is not None]
+        utils = [r["mean_gpu_util"] for r in ranks if r["mean_gpu_util"] is not None]
+        summary = {
+            "kind": "local",
+            **asdict(self.plan),
+            "precision": self.cfg.train.precision,
+            "model_name": self.cfg.model.model_name,
+            "batch_size": self.data.batch_size,
+            "batch_size_found": self.batch_found,
+            "accumulate": trainer.accumulate_grad_batches,
+            "global_batch": self.global_batch,
+            "global_epochs": trainer.global_step,
+            "data_epochs": round(self.samples / max(len(self.data.train_set), 1), 2),
+            "best_val_acc": self.best,
+            "best_epoch": self.best_epoch,
+            "wall_seconds": wall,
+            "train_seconds": train_seconds,
+            "samples": self.samples,
+            "samples_per_second": self.samples / train_seconds,
+            "peak_allocated_gb": max(peaks) if peaks else None,
+            "mean_gpu_util": sum(utils) / len(utils) if utils else None,
+            "val_curve": self.curve,
+            "checkpoint_dir": self.ckpt_dir,
+            "started_at": self.started,
+            "ranks": ranks,
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.writer.close()
+        self.summary = summary
+        log.info(
+            "Done: global epoch %d, best val acc %s, %.1f samples/s over %.0f s; summary in %s",
+            trainer.global_step,
+            f"{self.best:.4f}" if self.best is not None else "n/a",
+            summary["samples_per_second"],
+            train_seconds,
+            self.run_dir / "summary.json",
+        )
+
+
+def run_local(cfg: ExperimentConfig) -> dict[str, Any]:
+    """Train with Lightning's ``cfg.cluster.strategy``; returns the summary on global rank 0, else {}."""
+    from datetime import timedelta
+
+    env = dist_env()
+    plan = make_plan(cfg, env)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    train_set, val_set = build_datasets(cfg.data, cfg.model.img_size)
+    module = SwarmClassifier(cfg.model, cfg.train)
+    if plan.strategy == "dp" and plan.accelerator == "cuda":
+        module.use_data_parallel(list(range(plan.devices)))
+    data = ShardedData(train_set, val_set, cfg, plan, seed=cfg.data.seed if cfg.data.seed is not None else 0)
+    reporter = LocalReporter(cfg, plan, data)
+    if env.rank == 0:
+        log.info(
+            "%s (%.2f M parameters), %d training and %d validation images",
+            cfg.model.model_name,
+            sum(p.numel() for p in module.parameters()) / 1e6,
+            len(train_set),
+            len(val_set),
+        )
+    accumulate = plan.accumulation(cfg.data.batch_size, cfg.swarm.target_batch_size)
+    trainer = L.Trainer(
+        accelerator="gpu" if plan.accelerator == "cuda" else "cpu",
+        devices=1 if plan.strategy in ("dp", "single") else plan.devices,
+        num_nodes=plan.num_nodes,
+        strategy=lightning_strategy(plan),
+        precision=cfg.train.precision,
+        max_epochs=-1,
+        max_steps=cfg.train.max_epochs or -1,
+        max_time=timedelta(seconds=cfg.train.max_time) if cfg.train.max_time else None,
+        accumulate_grad_batches=accumulate,
+        check_val_every_n_epoch=None,
+        val_check_interval=cfg.train.eval_every * accumulate,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=os.isatty(1) and env.rank == 0,
+        use_distributed_sampler=False,
+        callbacks=[reporter],
+    )
+    trainer.fit(module, datamodule=data)
+    launcher = getattr(trainer.strategy, "launcher", None)
+    for proc in getattr(launcher, "procs", []):  # processes Lightning started for the other ranks
+        if hasattr(proc, "wait"):
+            proc.wait(timeout=120)
+    return getattr(reporter, "summary", {})

@@ -362,8 +362,8 @@ def local(**params: Any) -> None:
     params["auto_batch_size"] = True if batch == "auto" else None
     params["batch_size"] = None if batch == "auto" else batch
     cfg = _config_from(params)
-    from peer.cluster import dist_env
     from swarm.log import setup_logging
+    from swarm.procs import dist_env
 
     rank = dist_env().rank
     setup_logging(params["verbose"], quiet=rank != 0)

@@ -26,39 +26,11 @@ from swarm.data import build_datasets, shard_loaders
 from swarm.logbook import write_hparams
 from swarm.metrics import SYS_GPU_MEM, SYS_GPU_UTIL, TRAIN_LOSS, TRAIN_SPS, VAL_ACC, VAL_ACC_TOP5, VAL_LOSS
 from swarm.model import SwarmClassifier, autocast_dtype, resolve_device
+from swarm.procs import DistEnv, dist_env
 from swarm.sysmetrics import GpuSampler
 from swarm.tuning import largest_batch, step_fits
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    """What the launcher (torchrun, or Lightning for the processes it starts) told this process."""
-
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    local_world_size: int = 1
-    node_rank: int = 0
-    torchrun: bool = False
-
-
-def dist_env(environ: dict[str, str] | None = None) -> DistEnv:
-    """The one helper that reads the launcher's variables (RANK, LOCAL_RANK, WORLD_SIZE, ...)."""
-    e = os.environ if environ is None else environ
-    local_rank = int(e.get("LOCAL_RANK", 0))
-    node_rank = int(e.get("GROUP_RANK", e.get("NODE_RANK", 0)))
-    local_world = int(e.get("LOCAL_WORLD_SIZE", 1))
-    rank = int(e.get("RANK", node_rank * local_world + local_rank))
-    return DistEnv(
-        rank=rank,
-        local_rank=local_rank,
-        world_size=int(e.get("WORLD_SIZE", 1)),
-        local_world_size=local_world,
-        node_rank=node_rank,
-        torchrun="TORCHELASTIC_RUN_ID" in e,
-    )
 
 
 @dataclass(frozen=True)
@@ -429,6 +401,10 @@ def run_local(cfg: ExperimentConfig) -> dict[str, Any]:
 
     env = dist_env()
     plan = make_plan(cfg, env)
+    if (
+        env.rank == 0 and cfg.checkpoint.checkpoint_uri
+    ):  # a missing bucket fails now, in one line, not mid-run
+        check_location(cfg.checkpoint.checkpoint_uri, cfg.checkpoint.s3_endpoint_url)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     train_set, val_set = build_datasets(cfg.data, cfg.model.img_size)

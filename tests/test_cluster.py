@@ -15,10 +15,11 @@ from click.testing import CliRunner
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from peer.cli import main
-from peer.cluster import DistEnv, dist_env, make_plan
+from peer.cluster import make_plan
 from swarm.config import ConfigError, build_config
 from swarm.data import build_datasets, val_loader
 from swarm.model import evaluate
+from swarm.procs import DistEnv, dist_env
 from swarm.tuning import largest_batch
 from tests.helpers import PeerProcess, plain_timm_model
 

@@ -72,7 +72,9 @@ def local_row(path: Path, root: Path) -> RunRow:
     s = json.loads(path.read_text())
     return RunRow(
         run=str(path.parent.relative_to(root)),
-        strategy=f"{s['strategy']} ({s['accelerator']}, {s['precision']})",
+        strategy=f"{s['strategy']} ({s['accelerator']}"
+        + (f" x{s['devices']} in one process" if s["strategy"] == "dp" else "")
+        + f", {s['precision']})",
         world_size=s.get("world_size"),
         global_batch=s.get("global_batch"),
         batch_found=s.get("batch_size_found"),

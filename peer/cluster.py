@@ -20,7 +20,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from swarm.checkpoint import check_location, join_url, make_checkpoint, save_checkpoint
+from swarm.checkpoint import CheckpointError, check_location, join_url, make_checkpoint, save_checkpoint
 from swarm.config import ConfigError, ExperimentConfig, save_config
 from swarm.data import build_datasets, shard_loaders
 from swarm.logbook import write_hparams
@@ -66,6 +66,10 @@ def make_plan(cfg: ExperimentConfig, env: DistEnv) -> Plan:
         )
     if cfg.train.precision == "16-mixed" and accelerator == "cpu":
         raise ConfigError("precision='16-mixed' needs a CUDA GPU; use 'bf16-mixed' or '32-true' on the CPU")
+    if strategy == "fsdp" and cfg.train.precision == "16-mixed":
+        raise ConfigError(
+            "--strategy fsdp runs in '32-true' or 'bf16-mixed' (FSDP2 has no fp16 gradient scaler here)"
+        )
     gpus = torch.cuda.device_count() if accelerator == "cuda" else 0
     nodes = c.num_nodes
     if env.torchrun:
@@ -186,6 +190,16 @@ class LocalReporter(L.Callback):
         if self.cfg.cluster.auto_batch_size:
             self._search_batch(trainer, module)
         accumulate = self.plan.accumulation(self.data.batch_size, self.cfg.swarm.target_batch_size)
+        per_process = self.data.batch_size * (self.plan.devices if self.plan.strategy == "dp" else 1)
+        batches = len(self.data.train_set) // self.plan.world_size // per_process
+        if batches < accumulate:
+            raise ConfigError(
+                f"each rank has {batches} batches of {per_process} per pass over the data, fewer than the "
+                f"{accumulate} one global epoch needs; lower --target-batch-size or --batch-size"
+            )
+        # Lightning steps the optimizer at the end of every data epoch even mid-accumulation; whole windows
+        # only keep one global epoch = one target batch and validation on the optimizer step
+        trainer.limit_train_batches = batches // accumulate * accumulate
         trainer.accumulate_grad_batches = accumulate
         trainer.val_check_interval = self.cfg.train.eval_every * accumulate
         self.global_batch = self.data.batch_size * self.plan.devices_total * accumulate
@@ -195,7 +209,6 @@ class LocalReporter(L.Callback):
 
         self.run_dir = _free_run_dir(Path(self.cfg.train.log_dir) / self.cfg.swarm.run_id, self.plan.strategy)
         self.ckpt_dir = self.cfg.checkpoint.checkpoint_uri or str(self.run_dir / "checkpoints")
-        check_location(self.ckpt_dir, self.cfg.checkpoint.s3_endpoint_url)
         self.writer = SummaryWriter(log_dir=str(self.run_dir), flush_secs=10)
         write_hparams(self.writer, self.cfg, [VAL_ACC, TRAIN_LOSS])
         save_config(self.cfg, self.run_dir / "config.yaml")
@@ -221,7 +234,11 @@ class LocalReporter(L.Callback):
         fits = step_fits(
             module.net, m.num_classes, m.img_size, device, autocast_dtype(self.cfg.train.precision)
         )
-        limit = self.cfg.cluster.max_batch_size
+        # never past one target batch per step: a bigger global batch would change the run being compared
+        limit = min(
+            self.cfg.cluster.max_batch_size,
+            max(1, self.cfg.swarm.target_batch_size // self.plan.devices_total),
+        )
         if device.type == "cpu":
             limit = min(limit, max(1, len(self.data.train_set) // self.plan.world_size))
         found, _ = largest_batch(fits, self.cfg.data.batch_size, limit)
@@ -266,7 +283,10 @@ class LocalReporter(L.Callback):
 
     def _end_global_epoch(self, trainer: L.Trainer, module: Any) -> None:
         mem, util = self.gpu.latest()
-        row = torch.tensor([*self.window.tolist(), mem or -1.0, util or -1.0], dtype=torch.float64)
+        row = torch.tensor(
+            [*self.window.tolist(), -1.0 if mem is None else mem, -1.0 if util is None else util],
+            dtype=torch.float64,
+        )
         rows = trainer.strategy.all_gather(row.to(trainer.strategy.root_device)).reshape(-1, 5).cpu()
         seconds = max(time.time() - self.window_start, 1e-6)
         self.window_start, self.window = time.time(), torch.zeros(3, dtype=torch.float64)
@@ -278,10 +298,12 @@ class LocalReporter(L.Callback):
         add(TRAIN_LOSS, loss, self.step)
         add(TRAIN_SPS, sps, self.step)
         gpu = ""
-        if float(rows[:, 3].max()) >= 0:
-            add(SYS_GPU_MEM, float(rows[:, 3].max()), self.step)
-            add(SYS_GPU_UTIL, float(rows[:, 4].mean()), self.step)
-            gpu = f" | gpu {float(rows[:, 3].max()):.1f} GB, {float(rows[:, 4].mean()):.0f}% busy"
+        sampled = rows[rows[:, 4] >= 0]  # ranks with an NVML sample so far
+        if len(sampled):
+            mem_gb, busy = float(sampled[:, 3].max()), float(sampled[:, 4].mean())
+            add(SYS_GPU_MEM, mem_gb, self.step)
+            add(SYS_GPU_UTIL, busy, self.step)
+            gpu = f" | gpu {mem_gb:.1f} GB, {busy:.0f}% busy"
         if time.time() >= self.next_log:
             self.next_log = time.time() + self.cfg.train.log_every
             lr = trainer.optimizers[0].param_groups[0]["lr"]
@@ -300,7 +322,9 @@ class LocalReporter(L.Callback):
         self.val_started = time.time()
 
     def on_validation_end(self, trainer: L.Trainer, module: Any) -> None:
-        self.val_seconds += time.time() - self.val_started
+        spent = time.time() - self.val_started
+        self.val_seconds += spent
+        self.window_start += spent  # samples/s counts training time only
         val, epoch = module.last_val, trainer.global_step
         if trainer.sanity_checking or val is None or epoch == self.validated_at:
             return
@@ -309,8 +333,21 @@ class LocalReporter(L.Callback):
         if better:
             self.best, self.best_epoch = val["acc"], epoch
         state = trainer.strategy.lightning_module_state_dict()  # every rank: FSDP gathers the shards here
-        if not self.main:
-            return
+        error = None
+        if self.main:
+            # a full disk or a lost bucket: every rank must stop, not wait for rank 0 in the next collective
+            try:
+                self._record_validation(trainer, val, epoch, better, state)
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        error = trainer.strategy.broadcast(error, src=0)
+        if error:
+            raise CheckpointError(f"rank 0 could not record validation at global epoch {epoch}: {error}")
+
+    def _record_validation(
+        self, trainer: L.Trainer, val: dict, epoch: int, better: bool, state: dict
+    ) -> None:
+        """Rank 0: TensorBoard, the log line, last.ckpt and (when better) best.ckpt."""
         for tag, key in ((VAL_ACC, "acc"), (VAL_ACC_TOP5, "acc_top5"), (VAL_LOSS, "loss")):
             self.writer.add_scalar(tag, val[key], epoch)
         self.writer.flush()
@@ -410,7 +447,7 @@ def run_local(cfg: ExperimentConfig) -> dict[str, Any]:
     train_set, val_set = build_datasets(cfg.data, cfg.model.img_size)
     module = SwarmClassifier(cfg.model, cfg.train)
     if plan.strategy == "dp" and plan.accelerator == "cuda":
-        module.use_data_parallel(list(range(plan.devices)))
+        module.use_data_parallel(list(range(plan.devices)), autocast_dtype(cfg.train.precision))
     data = ShardedData(train_set, val_set, cfg, plan, seed=cfg.data.seed if cfg.data.seed is not None else 0)
     reporter = LocalReporter(cfg, plan, data)
     if env.rank == 0:

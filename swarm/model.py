@@ -67,6 +67,18 @@ def accuracy_counts(logits: torch.Tensor, target: torch.Tensor) -> tuple[int, in
     return int(hits[:, 0].sum()), int(hits.any(dim=-1).sum())
 
 
+class _AutocastForward(nn.Module):
+    """``net`` under autocast with a fixed dtype (None: full precision), for DataParallel's threads."""
+
+    def __init__(self, net: nn.Module, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.net, self.dtype = net, dtype
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=self.dtype, enabled=self.dtype is not None):
+            return self.net(images)
+
+
 class SwarmClassifier(L.LightningModule):
     """Image classifier with cross-entropy loss, AdamW and a warm-up + cosine schedule.
 
@@ -84,9 +96,13 @@ class SwarmClassifier(L.LightningModule):
         self._val_sums = torch.zeros(4, dtype=torch.float64)  # loss*n, correct, correct_top5, n
         self._replicas: nn.Module | None = None  # DataParallel view of net (strategy 'dp'); not a submodule
 
-    def use_data_parallel(self, device_ids: list[int]) -> None:
-        """Split every batch over these GPUs of this process (torch.nn.DataParallel; strategy 'dp')."""
-        object.__setattr__(self, "_replicas", nn.DataParallel(self.net, device_ids=device_ids))
+    def use_data_parallel(self, device_ids: list[int], dtype: torch.dtype | None = None) -> None:
+        """Split every batch over these GPUs of this process (torch.nn.DataParallel; strategy 'dp').
+
+        DataParallel's worker threads re-enter autocast without a dtype (thread-local, so fp16), so each
+        replica sets the run's autocast dtype itself."""
+        replicas = nn.DataParallel(_AutocastForward(self.net, dtype), device_ids=device_ids)
+        object.__setattr__(self, "_replicas", replicas)
 
     def configure_model(self) -> None:
         """Under Lightning's ModelParallelStrategy (our 'fsdp'): shard with FSDP2, one unit per transformer

@@ -64,9 +64,9 @@ class GpuSampler:
                 continue
 
     def start(self) -> GpuSampler:
+        if self.device.type == "cuda":  # the peak counts training only, not the batch-size search before it
+            torch.cuda.reset_peak_memory_stats(self.device)
         if self.enabled and self._thread is None:
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
             self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
             self._thread.start()
         return self

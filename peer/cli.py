@@ -147,24 +147,30 @@ def training_options(func: Callable) -> Callable:
     return func
 
 
-def checkpoint_options(func: Callable) -> Callable:
-    """Where checkpoints are read and written."""
-    options = [
-        click.option(
-            "--checkpoint-uri",
-            default=None,
-            help="Folder for best.ckpt/last.ckpt: a path, file://... or s3://bucket/prefix "
-            "[<log-dir>/<run-id>/checkpoints].",
-        ),
-        click.option(
-            "--s3-endpoint-url",
-            default=None,
-            help="S3-compatible endpoint, e.g. http://127.0.0.1:9000 (MinIO).",
-        ),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
+def checkpoint_options_for(default: str) -> Callable[[Callable], Callable]:
+    """Where checkpoints are read and written; ``default`` is the folder shown in --help."""
+
+    def decorate(func: Callable) -> Callable:
+        options = [
+            click.option(
+                "--checkpoint-uri",
+                default=None,
+                help=f"Folder for best.ckpt/last.ckpt: a path, file://... or s3://bucket/prefix [{default}].",
+            ),
+            click.option(
+                "--s3-endpoint-url",
+                default=None,
+                help="S3-compatible endpoint, e.g. http://127.0.0.1:9000 (MinIO).",
+            ),
+        ]
+        for option in reversed(options):
+            func = option(func)
+        return func
+
+    return decorate
+
+
+checkpoint_options = checkpoint_options_for("<log-dir>/<run-id>/checkpoints")
 
 
 def _config_from(params: dict[str, Any]):
@@ -347,7 +353,7 @@ class BatchSize(click.ParamType):
 @click.option("--limit-train-samples", type=int, default=None, help="Train on the first N images only.")
 @click.option("--run-id", default=None, help="Runs land in <log-dir>/<run-id>/<strategy>.")
 @click.option("--log-dir", default=None, help="Root of runs/<run_id>/... [runs].")
-@checkpoint_options
+@checkpoint_options_for("<log-dir>/<run-id>/<strategy>/checkpoints")
 @click.option("--verbose", is_flag=True, help="Show Lightning's and torch's own messages.")
 @_fail_cleanly
 def local(**params: Any) -> None:

@@ -383,6 +383,7 @@ def local(**params: Any) -> None:
             f"best val acc {best if best is None else round(best, 4)}, "
             f"{summary['samples_per_second']:.1f} samples/s"
         )
+    _exit_quietly()  # everything is written; interpreter teardown (threads, atexit) cannot hang a rank now
 
 
 @main.command()

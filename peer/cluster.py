@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch
 from swarm.checkpoint import CheckpointError, check_location, join_url, make_checkpoint, save_checkpoint
 from swarm.config import ConfigError, ExperimentConfig, save_config
 from swarm.data import build_datasets, shard_loaders
+from swarm.log import quiet_libraries
 from swarm.logbook import write_hparams
 from swarm.metrics import SYS_GPU_MEM, SYS_GPU_UTIL, TRAIN_LOSS, TRAIN_SPS, VAL_ACC, VAL_ACC_TOP5, VAL_LOSS
 from swarm.model import SwarmClassifier, autocast_dtype, resolve_device
@@ -432,10 +434,24 @@ class LocalReporter(L.Callback):
         )
 
 
+def leave_process_group() -> None:
+    """Every rank: wait for the others (bounded), then destroy the process group, so that no rank exits while
+    another still talks to it (torchrun's agents then wait for no straggler)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.monitored_barrier(
+            timeout=timedelta(seconds=60)
+        ) if dist.get_backend() == "gloo" else dist.barrier()
+    except Exception as exc:  # a rank that died already: leave anyway
+        log.warning("Leaving without the other ranks: %s", str(exc).splitlines()[0] if str(exc) else exc)
+    dist.destroy_process_group()
+
+
 def run_local(cfg: ExperimentConfig) -> dict[str, Any]:
     """Train with Lightning's ``cfg.cluster.strategy``; returns the summary on global rank 0, else {}."""
-    from datetime import timedelta
-
     env = dist_env()
     plan = make_plan(cfg, env)
     if (
@@ -446,6 +462,7 @@ def run_local(cfg: ExperimentConfig) -> dict[str, Any]:
         torch.set_num_threads(cfg.train.threads)
     train_set, val_set = build_datasets(cfg.data, cfg.model.img_size)
     module = SwarmClassifier(cfg.model, cfg.train)
+    quiet_libraries()  # importing lightning re-enabled its INFO banner
     if plan.strategy == "dp" and plan.accelerator == "cuda":
         module.use_data_parallel(list(range(plan.devices)), autocast_dtype(cfg.train.precision))
     data = ShardedData(train_set, val_set, cfg, plan, seed=cfg.data.seed if cfg.data.seed is not None else 0)
@@ -480,6 +497,7 @@ def run_local(cfg: ExperimentConfig) -> dict[str, Any]:
         callbacks=[reporter],
     )
     trainer.fit(module, datamodule=data)
+    leave_process_group()
     launcher = getattr(trainer.strategy, "launcher", None)
     for proc in getattr(launcher, "procs", []):  # processes Lightning started for the other ranks
         if hasattr(proc, "wait"):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from monitor.board import EVAL_ACC
 from swarm.logbook import read_scalars
 from swarm.metrics import SWARM_EPOCH, SWARM_PEERS, VAL_ACC
 
@@ -68,10 +69,10 @@ class RunRow:
         ]
 
 
-def local_row(path: Path, root: Path) -> RunRow:
-    s = json.loads(path.read_text())
+def local_row(s: dict[str, Any], folder: Path, root: Path) -> RunRow:
+    """A `swarm-peer local` run from its summary.json (already read into ``s``)."""
     return RunRow(
-        run=str(path.parent.relative_to(root)),
+        run=str(folder.relative_to(root)),
         strategy=f"{s['strategy']} ({s['accelerator']}"
         + (f" x{s['devices']} in one process" if s["strategy"] == "dp" else "")
         + f", {s['precision']})",
@@ -106,7 +107,7 @@ def monitor_row(folder: Path, root: Path) -> RunRow | None:
     first, last = epochs[0], epochs[-1]
     per_epoch = (last[0] - first[0]) / (last[1] - first[1]) if last[1] > first[1] else None
     start = first[0] - (per_epoch or 0.0) * first[1]  # the run began about first-step epochs earlier
-    val = scalars.get("monitor/" + VAL_ACC) or scalars.get(VAL_ACC, [])  # the monitor's own evaluation first
+    val = scalars.get(EVAL_ACC) or scalars.get(VAL_ACC, [])  # the monitor's own evaluation first
     target = _target_batch(folder)
     return RunRow(
         run=str(folder.relative_to(root)),
@@ -116,10 +117,8 @@ def monitor_row(folder: Path, root: Path) -> RunRow | None:
         epochs=int(last[2]),
         best_acc=max((v for _, _, v in val), default=None),
         train_seconds=last[0] - start if per_epoch is not None else None,
-        # samples that went into optimizer steps, per second, between the first and last epoch seen
-        samples_per_second=(last[1] - first[1]) * target / (last[0] - first[0])
-        if per_epoch and target
-        else None,
+        # samples that went into optimizer steps per second: one global batch per epoch
+        samples_per_second=target / per_epoch if per_epoch and target else None,
         curve=[(w - start, v) for w, _, v in val],
     )
 
@@ -158,8 +157,9 @@ def collect(log_dir: Path) -> list[RunRow]:
         row = None
         if (folder / "summary.json").is_file():
             try:
-                if json.loads((folder / "summary.json").read_text()).get("kind") == "local":
-                    row = local_row(folder / "summary.json", log_dir)
+                summary = json.loads((folder / "summary.json").read_text())
+                if summary.get("kind") == "local":
+                    row = local_row(summary, folder, log_dir)
             except (OSError, ValueError, KeyError):
                 row = None
         elif folder.name == "monitor":

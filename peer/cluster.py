@@ -27,7 +27,7 @@ from swarm.data import build_datasets, shard_loaders
 from swarm.log import quiet_libraries
 from swarm.logbook import write_hparams
 from swarm.metrics import SYS_GPU_MEM, SYS_GPU_UTIL, TRAIN_LOSS, TRAIN_SPS, VAL_ACC, VAL_ACC_TOP5, VAL_LOSS
-from swarm.model import SwarmClassifier, autocast_dtype, resolve_device
+from swarm.model import SwarmClassifier, autocast_dtype, local_tensor, param_checksum, resolve_device
 from swarm.procs import DistEnv, dist_env
 from swarm.sysmetrics import GpuSampler
 from swarm.tuning import largest_batch, step_fits
@@ -43,7 +43,16 @@ class Plan:
     accelerator: str  # 'cuda' or 'cpu'
     devices: int  # devices per node (for 'dp': the GPUs one process splits each batch over)
     num_nodes: int
-    world_size: int  # data-parallel processes
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel processes."""
+        return 1 if self.strategy in ("dp", "single") else self.devices * self.num_nodes
+
+    @property
+    def per_process_factor(self) -> int:
+        """Per-device batches in one process's batch ('dp' splits one batch over its GPUs)."""
+        return self.devices if self.strategy == "dp" else 1
 
     @property
     def devices_total(self) -> int:
@@ -102,8 +111,7 @@ def make_plan(cfg: ExperimentConfig, env: DistEnv) -> Plan:
         raise ConfigError(
             "--strategy dp splits each batch over GPUs; on the CPU rehearse with --strategy ddp"
         )
-    world = 1 if strategy in ("dp", "single") else devices * nodes
-    return Plan(strategy, accelerator, devices, nodes, world)
+    return Plan(strategy, accelerator, devices, nodes)
 
 
 def lightning_strategy(plan: Plan) -> Any:
@@ -130,11 +138,21 @@ class ShardedData(L.LightningDataModule):
         self.train_set, self.val_set, self.cfg, self.plan, self.seed = train_set, val_set, cfg, plan, seed
         self.batch_size = cfg.data.batch_size  # per device; --batch-size auto changes it before fitting
 
+    @property
+    def per_process(self) -> int:
+        """The batch one process loads per step."""
+        return self.batch_size * self.plan.per_process_factor
+
     def _loaders(self) -> tuple[Any, Any]:
-        per_process = self.batch_size * (self.plan.devices if self.plan.strategy == "dp" else 1)
         t = self.trainer
         return shard_loaders(
-            self.train_set, self.val_set, self.cfg.data, per_process, t.global_rank, t.world_size, self.seed
+            self.train_set,
+            self.val_set,
+            self.cfg.data,
+            self.per_process,
+            t.global_rank,
+            t.world_size,
+            self.seed,
         )
 
     def train_dataloader(self) -> Any:
@@ -142,16 +160,6 @@ class ShardedData(L.LightningDataModule):
 
     def val_dataloader(self) -> Any:
         return self._loaders()[1]
-
-
-def _local_checksum(module: torch.nn.Module) -> list[float]:
-    """Sums over this rank's parameters (its shards under FSDP), plain and squared."""
-    total, squares = 0.0, 0.0
-    with torch.no_grad():
-        for p in module.parameters():
-            d = (p.to_local() if hasattr(p, "to_local") else p).detach().double()
-            total, squares = total + float(d.sum()), squares + float((d * d).sum())
-    return [total, squares]
 
 
 def _free_run_dir(root: Path, name: str) -> Path:
@@ -192,7 +200,7 @@ class LocalReporter(L.Callback):
         if self.cfg.cluster.auto_batch_size:
             self._search_batch(trainer, module)
         accumulate = self.plan.accumulation(self.data.batch_size, self.cfg.swarm.target_batch_size)
-        per_process = self.data.batch_size * (self.plan.devices if self.plan.strategy == "dp" else 1)
+        per_process = self.data.per_process
         batches = len(self.data.train_set) // self.plan.world_size // per_process
         if batches < accumulate:
             raise ConfigError(
@@ -244,18 +252,18 @@ class LocalReporter(L.Callback):
         if device.type == "cpu":
             limit = min(limit, max(1, len(self.data.train_set) // self.plan.world_size))
         found, _ = largest_batch(fits, self.cfg.data.batch_size, limit)
-        found = int(
-            trainer.strategy.all_gather(torch.tensor(found, device=device)).min()
-        )  # every rank fits it
+        # the smallest over the ranks fits on every rank
+        found = int(trainer.strategy.all_gather(torch.tensor(found, device=device)).min())
         if found < 1:
             raise ConfigError(
                 f"not even a batch of 1 fits on {device}; use a smaller model or --strategy fsdp"
             )
         self.batch_found = self.data.batch_size = found
-        note = " (memory is no hard limit on the CPU: capped by --max-batch-size and the shard)" * (
-            device.type == "cpu"
-        )
-        note += " (measured on the unsharded model; FSDP may fit more)" * (self.plan.strategy == "fsdp")
+        note = ""
+        if device.type == "cpu":
+            note += " (memory is no hard limit on the CPU: capped by --max-batch-size and the shard)"
+        if self.plan.strategy == "fsdp":
+            note += " (measured on the unsharded model; FSDP may fit more)"
         if trainer.is_global_zero:
             log.info("Largest batch per device: %d%s", found, note)
 
@@ -378,10 +386,8 @@ class LocalReporter(L.Callback):
         mine = {
             "rank": trainer.global_rank,
             "shards": {str(k): v for k, v in self.shards.items()},
-            "param_checksum": _local_checksum(module),
-            "local_parameters": sum(
-                (p.to_local() if hasattr(p, "to_local") else p).numel() for p in module.parameters()
-            ),
+            "param_checksum": param_checksum(module),
+            "local_parameters": sum(local_tensor(p).numel() for p in module.parameters()),
             "peak_allocated_gb": self.gpu.peak_allocated_gb(),
             "mean_gpu_util": self.gpu.mean_util(),
         }
@@ -400,6 +406,7 @@ class LocalReporter(L.Callback):
         summary = {
             "kind": "local",
             **asdict(self.plan),
+            "world_size": self.plan.world_size,
             "precision": self.cfg.train.precision,
             "model_name": self.cfg.model.model_name,
             "batch_size": self.data.batch_size,
@@ -442,9 +449,10 @@ def leave_process_group() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     try:
-        dist.monitored_barrier(
-            timeout=timedelta(seconds=60)
-        ) if dist.get_backend() == "gloo" else dist.barrier()
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=60))
+        else:
+            dist.barrier()
     except Exception as exc:  # a rank that died already: leave anyway
         log.warning("Leaving without the other ranks: %s", str(exc).splitlines()[0] if str(exc) else exc)
     dist.destroy_process_group()
@@ -454,9 +462,7 @@ def run_local(cfg: ExperimentConfig) -> dict[str, Any]:
     """Train with Lightning's ``cfg.cluster.strategy``; returns the summary on global rank 0, else {}."""
     env = dist_env()
     plan = make_plan(cfg, env)
-    if (
-        env.rank == 0 and cfg.checkpoint.checkpoint_uri
-    ):  # a missing bucket fails now, in one line, not mid-run
+    if env.rank == 0 and cfg.checkpoint.checkpoint_uri:  # a missing bucket: one line now, not mid-run
         check_location(cfg.checkpoint.checkpoint_uri, cfg.checkpoint.s3_endpoint_url)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)

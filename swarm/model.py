@@ -205,12 +205,18 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
     return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
 
 
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: the local shard of an FSDP2 DTensor, else the tensor itself."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
 def param_checksum(module: nn.Module) -> list[float]:
-    """Two float64 sums over all parameters (plain and squared): equal parameters give equal sums."""
+    """Two float64 sums over all parameters (plain and squared): equal parameters give equal sums.
+    Under FSDP each rank sums only its own shards."""
     total, squares = 0.0, 0.0
     with torch.no_grad():
         for p in module.parameters():
-            d = p.detach().double()
+            d = local_tensor(p).detach().double()
             total += float(d.sum())
             squares += float((d * d).sum())
     return [total, squares]

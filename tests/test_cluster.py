@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from peer.cli import main
 from peer.cluster import make_plan
 from swarm.config import ConfigError, build_config
 from swarm.data import build_datasets, val_loader
+from swarm.logbook import read_run
 from swarm.model import evaluate
 from swarm.procs import DistEnv, dist_env
 from swarm.tuning import largest_batch
@@ -56,9 +56,7 @@ def run_dir(log_dir: Path, strategy: str) -> Path:
 
 
 def read_tb(folder: Path) -> dict[str, list[tuple[int, float]]]:
-    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0}, purge_orphaned_data=False)
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    return read_run(folder)[0]  # TensorBoard's EventAccumulator, every event kept
 
 
 def check_checkpoint_reproduces(folder: Path, board: dict) -> dict:

@@ -26,6 +26,7 @@ from swarm.checkpoint import CheckpointError
 from swarm.config import ExperimentConfig, save_config
 from swarm.data import build_datasets, val_loader
 from swarm.dht import check_addresses, join_command, start_dht, stop_dht
+from swarm.fingerprint import MONITOR_FIELDS, check_against_swarm
 from swarm.log import quiet_libraries
 from swarm.model import autocast_dtype, evaluate, resolve_device
 from swarm.procs import GracefulStop, remove_stale_sockets
@@ -172,6 +173,7 @@ def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[s
     try:
         validators, _ = metrics.make_validators(cfg.swarm.run_id)
         dht = start_dht(cfg.swarm, validators)
+        check_against_swarm(dht, cfg, only=MONITOR_FIELDS)  # its evaluation needs the swarm's model
         print(
             f"Monitor of run {cfg.swarm.run_id!r} is up. To join this swarm, run:\n"
             f"  {join_command(dht, cfg.swarm.run_id, config_name)}",

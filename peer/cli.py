@@ -38,6 +38,7 @@ def _fail_cleanly(func: Callable) -> Callable:
                 "ModelError",
                 "MisconfigurationException",
                 "CheckpointError",
+                "ConfigMismatchError",
             )
             if type(exc).__name__ in known or isinstance(
                 exc, (ValueError, FileNotFoundError, PermissionError)
@@ -141,6 +142,7 @@ def training_options(func: Callable) -> Callable:
         click.option(
             "--limit-train-samples", type=int, default=None, help="Train on the first N images only."
         ),
+        click.option("--inject-fault", default=None, hidden=True, help="Tests only; see swarm/faults.py."),
     ]
     for option in reversed(options):
         func = option(func)

@@ -23,6 +23,7 @@ from swarm.checkpoint import check_compatible, load_checkpoint, load_weights
 from swarm.config import ExperimentConfig, save_config
 from swarm.data import build_datasets, peer_seed, train_loader, val_loader
 from swarm.dht import check_addresses, join_command, start_dht, stop_dht
+from swarm.fingerprint import ConfigPublisher, check_against_swarm
 from swarm.log import quiet_libraries
 from swarm.model import SwarmClassifier, autocast_dtype, evaluate, param_checksum, resolve_device
 from swarm.procs import GracefulStop, remove_stale_sockets
@@ -51,6 +52,7 @@ class SwarmReporter(L.Callback):
         self.last_val: dict[str, Any] | None = None
         self.start_checksum: list[float] | None = None
         self._warned: set = set()
+        self.publisher: ConfigPublisher | None = None
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -88,6 +90,8 @@ class SwarmReporter(L.Callback):
         self.line_samples += len(batch[1])
         if module.last_loss is not None:
             self.losses.append(module.last_loss)
+        if self.publisher is not None:
+            self.publisher.maybe_publish()
         if self.strategy.local_epoch != self.epoch:
             self._on_new_epoch(module)
         if time.time() >= self.next_log:
@@ -228,6 +232,8 @@ class SwarmReporter(L.Callback):
             else None,
             "swarm_samples_per_second": self.swarm_sps,
             "skipped_nonfinite_steps": self.strategy.skipped_nonfinite_steps,
+            "nonfinite_rollbacks": self.strategy.nonfinite_rollbacks,
+            "resyncs": self.strategy.resyncs,
             "seconds": time.time() - self.started if hasattr(self, "started") else 0.0,
         }
 
@@ -247,6 +253,16 @@ def _load_resume(cfg: ExperimentConfig, module: SwarmClassifier) -> dict[str, An
         payload.get("metrics", {}).get("val/acc", "n/a"),
     )
     return payload
+
+
+def _fault_injector(cfg: ExperimentConfig) -> Any:
+    """The test-only FaultInjector when ``train.inject_fault`` is set, else None."""
+    if not cfg.train.inject_fault:
+        return None
+    from swarm.faults import FaultInjector, parse_faults
+
+    log.warning("Fault injection is on (tests only): %s", cfg.train.inject_fault)
+    return FaultInjector(parse_faults(cfg.train.inject_fault))
 
 
 def default_peer_name() -> str:
@@ -321,6 +337,9 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
     try:
         validators, public_key = metrics.make_validators(cfg.swarm.run_id)
         dht = start_dht(cfg.swarm, validators)
+        check_against_swarm(dht, cfg)  # before any averager exists: a mismatch never touches the swarm
+        publisher = ConfigPublisher(dht, cfg, public_key, peer_name)
+        publisher.maybe_publish()
         strategy = HivemindStrategy(
             dht=dht,
             run_id=cfg.swarm.run_id,
@@ -335,8 +354,10 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
             next_chunk_timeout=cfg.swarm.next_chunk_timeout,
             resume_epoch=resume.get("global_epoch"),
             resume_optimizer_state=resume.get("optimizer"),
+            faults=_fault_injector(cfg),
         )
         reporter = SwarmReporter(cfg, strategy, public_key, peer_name, val_loader(val_set, cfg.data), stop)
+        reporter.publisher = publisher
         print(f"To join this swarm, run:\n  {join_command(dht, cfg.swarm.run_id, config_name)}", flush=True)
         _fit(cfg, strategy, reporter, module, train_loader(train_set, cfg.data, seed))
     except KeyboardInterrupt:

@@ -206,8 +206,18 @@ class TrainConfig:
     """Name of this peer in logs and file names; default is derived from the host and PID."""
     threads: int | None = None
     """torch intra-op threads; set 1 when several peers share a small machine."""
+    inject_fault: str | None = None
+    """For fault-tolerance tests only: faults this peer injects into itself, e.g. 'kill:allreduce@5' or
+    'nan_grad@3x4' (see swarm/faults.py)."""
 
     def __post_init__(self) -> None:
+        if self.inject_fault:
+            from swarm.faults import parse_faults
+
+            try:
+                parse_faults(self.inject_fault)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         _check(self.lr > 0, "lr", self.lr, "a number > 0")
         _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "a number >= 0")
         _check(self.warmup_epochs >= 0, "warmup_epochs", self.warmup_epochs, "an integer >= 0")

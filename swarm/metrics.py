@@ -47,13 +47,28 @@ class LocalMetrics(BaseModel):
     target_batch_size: conint(ge=1, strict=True) | None = None
 
 
+def config_key(run_id: str) -> str:
+    """The DHT key under which every training peer of ``run_id`` publishes its config fingerprint."""
+    return f"{run_id}_config"
+
+
+class ConfigRecord(BaseModel):
+    """What a peer trains with: a fingerprint of the settings that every peer must share, and the
+    settings themselves (``section.field`` -> value as text), so a mismatch can be explained."""
+
+    fingerprint: constr(max_length=64, strict=True)
+    fields: dict[constr(max_length=64, strict=True), constr(max_length=200, strict=True)]
+    peer_name: constr(max_length=64, strict=True)
+
+
 def _schema():
     from hivemind.dht.schema import BytesWithPublicKey
 
     class MetricSchema(BaseModel):
-        """DHT schema: the metrics key maps public keys (subkeys) to LocalMetrics."""
+        """DHT schema: the metrics and config keys map public keys (subkeys) to their records."""
 
         metrics: dict[BytesWithPublicKey, LocalMetrics]
+        config: dict[BytesWithPublicKey, ConfigRecord]
 
     return MetricSchema
 

@@ -35,11 +35,14 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from swarm.dht import stop_dht
+from swarm.guard import StateGuard, all_finite
 from swarm.procs import p2p_daemon_alive
 
 if TYPE_CHECKING:
     import hivemind
     import lightning.pytorch as pl
+
+    from swarm.faults import FaultInjector
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +74,7 @@ class GlobalEpochScheduler:
 
 def grads_are_finite(module: torch.nn.Module) -> bool:
     """True if every gradient of ``module`` is finite (no NaN or Inf)."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    if not grads:
-        return True
-    return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+    return all_finite([p.grad for p in module.parameters() if p.grad is not None])
 
 
 class HivemindStrategy(SingleDeviceStrategy):
@@ -98,6 +98,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         resume_epoch: start at this global epoch (a checkpoint's); the swarm's state still wins if newer.
         resume_optimizer_state: the optimizer's ``state_dict`` from that checkpoint (AdamW moments).
         verbose: let hivemind log its internal events at INFO level.
+        faults: a FaultInjector (tests only): kills and corrupted numbers at chosen moments.
         optimizer_kwargs: passed on to ``hivemind.Optimizer``.
     """
 
@@ -121,6 +122,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         resume_epoch: int | None = None,
         resume_optimizer_state: dict | None = None,
         verbose: bool = False,
+        faults: FaultInjector | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         super().__init__(device=device)
@@ -129,6 +131,10 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.load_state_on_start, self.request_timeout = load_state_on_start, request_timeout
         self.hivemind_opt: hivemind.Optimizer | None = None
         self.skipped_nonfinite_steps = 0
+        self.nonfinite_rollbacks = 0  # global epochs after which the parameters were non-finite
+        self.resyncs = 0  # state downloads after a fault
+        self.faults, self.guard = faults, None
+        self._in_nonfinite_burst = False
         self.loaded_epoch: int | None = None
         self.resume_epoch, self.resume_optimizer_state = resume_epoch, resume_optimizer_state
         self._optimizer_kwargs = dict(
@@ -173,6 +179,13 @@ class HivemindStrategy(SingleDeviceStrategy):
                 raise MisconfigurationException(
                     f"the checkpoint's optimizer state does not fit: {exc}"
                 ) from None
+        inner = self.optimizers[0]
+        self.guard = StateGuard([p for group in inner.param_groups for p in group["params"]], inner)
+        factory = (
+            self.faults.grad_averager_factory(request_timeout=self.request_timeout)
+            if self.faults is not None
+            else partial(GradientAverager, request_timeout=self.request_timeout)
+        )
         sigint = signal.getsignal(signal.SIGINT)  # hivemind's averagers set SIGINT to SIG_IGN in this process
         self.hivemind_opt = hivemind.Optimizer(
             dht=self.dht,
@@ -182,7 +195,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             batch_size_per_step=self.batch_size,
             # hivemind passes averager_opts to the state averager only; the gradient averager needs the
             # same request_timeout, or matchmaking_time below 3 s risks deadlocks
-            grad_averager_factory=partial(GradientAverager, request_timeout=self.request_timeout),
+            grad_averager_factory=factory,
             **self._optimizer_kwargs,
         )
         if sigint is not None:
@@ -196,6 +209,8 @@ class HivemindStrategy(SingleDeviceStrategy):
             self._start_at_epoch(self.resume_epoch)
         if self.load_state_on_start:
             self.load_state_from_peers()
+        if self.guard.finite():
+            self.guard.save(self.local_epoch)
 
     def _start_at_epoch(self, epoch: int) -> None:
         """Make this peer's optimizer (and what it announces to the swarm) start at global epoch ``epoch``."""
@@ -226,20 +241,72 @@ class HivemindStrategy(SingleDeviceStrategy):
     def optimizer_step(
         self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
+        module = model if isinstance(model, torch.nn.Module) else self.lightning_module
+        epoch = self.local_epoch
         plugin = self.precision_plugin
         if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)  # the scaler skips inf steps
-        result = closure()
-        module = model if isinstance(model, torch.nn.Module) else self.lightning_module
-        if not grads_are_finite(module):
-            self.skipped_nonfinite_steps += 1
-            log.warning(
-                "Skipping a step with non-finite gradients (%d so far); nothing was sent to the swarm",
-                self.skipped_nonfinite_steps,
+            result = super().optimizer_step(optimizer, closure, model, **kwargs)  # the scaler skips inf steps
+        else:
+            result = closure()
+            if self.faults is not None:
+                self.faults.corrupt_gradients(module, epoch)
+            if not grads_are_finite(module):
+                self._skip_nonfinite_step(module)
+                return result
+            self._in_nonfinite_burst = False
+            result = super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+        if self.local_epoch != epoch:
+            self._after_global_step(module)
+        if self.faults is not None and self.hivemind_opt is not None:
+            self.faults.on_local_step(
+                self.local_epoch, self.hivemind_opt.grad_averager.local_samples_accumulated
             )
-            module.zero_grad(set_to_none=True)
-            return result
-        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+        return result
+
+    def _skip_nonfinite_step(self, module: torch.nn.Module) -> None:
+        """Drop this step's gradients (never sent), and resynchronise once per run of bad steps."""
+        self.skipped_nonfinite_steps += 1
+        module.zero_grad(set_to_none=True)
+        log.warning(
+            "Skipping a step with non-finite gradients (%d so far); nothing was sent to the swarm",
+            self.skipped_nonfinite_steps,
+        )
+        if self._in_nonfinite_burst:
+            return
+        self._in_nonfinite_burst = True
+        self._resync("after a step with non-finite gradients")
+
+    def _after_global_step(self, module: torch.nn.Module) -> None:
+        """After each global step: keep the state if finite, else roll back and reload from peers."""
+        assert self.guard is not None
+        if self.faults is not None:
+            self.faults.corrupt_parameters(module, self.local_epoch)
+        if self.guard.finite():
+            self.guard.save(self.local_epoch)
+            return
+        self.nonfinite_rollbacks += 1
+        log.error(
+            "The parameters are non-finite after global epoch %d; rolling back to the state of global epoch "
+            "%s and reloading the swarm's state from peers",
+            self.local_epoch,
+            self.guard.epoch,
+        )
+        self.guard.restore()
+        self._resync("after non-finite parameters")
+
+    def _resync(self, why: str) -> None:
+        """Load the swarm's newest state; keep (or restore) the last finite one if that state is bad."""
+        assert self.guard is not None and self.hivemind_opt is not None
+        self.resyncs += 1
+        log.info("Resynchronising with the swarm %s", why)
+        self.load_state_from_peers()
+        if self.guard.finite():
+            self.guard.save(self.local_epoch)
+        else:
+            self.guard.restore()
+            log.error(
+                "The state received from peers is non-finite too; keeping global epoch %s's", self.guard.epoch
+            )
 
     def _averagers(self) -> list:
         opt = self.hivemind_opt
@@ -256,6 +323,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         if self._shut_down:
             return
         self._shut_down = True
+        if self.guard is not None:
+            self.guard.close()
         network_alive = p2p_daemon_alive()
         try:
             opt = self.hivemind_opt

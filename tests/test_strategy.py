@@ -13,6 +13,8 @@ import torch
 from swarm.config import build_config
 from swarm.data import build_datasets, train_loader
 from swarm.dht import start_dht
+from swarm.faults import FaultInjector, parse_faults
+from swarm.guard import StateGuard
 from swarm.model import SwarmClassifier, lr_lambda
 from swarm.procs import remove_stale_sockets
 from swarm.strategy import HivemindStrategy
@@ -34,7 +36,7 @@ class NanOnce(SwarmClassifier):
         return loss * float("nan") if batch_idx == 2 else loss
 
 
-def _fit(module_cls, steps: int, precision: str = "32-true", device: str = "cpu"):
+def _fit(module_cls, steps: int, precision: str = "32-true", device: str = "cpu", faults: str | None = None):
     cfg = build_config(
         "demo", {"target_batch_size": 64, "batch_size": 32, "limit_train_samples": 512}, environ={}
     )
@@ -49,6 +51,7 @@ def _fit(module_cls, steps: int, precision: str = "32-true", device: str = "cpu"
         matchmaking_time=2.0,
         request_timeout=1.5,
         averaging_timeout=10.0,
+        faults=FaultInjector(parse_faults(faults)) if faults else None,
     )
     recorder = Recorder(strategy)
     module = module_cls(cfg.model, cfg.train)
@@ -91,6 +94,34 @@ def test_nonfinite_gradients_are_skipped_not_sent():
     assert strategy.skipped_nonfinite_steps == 1
     assert all(torch.isfinite(p).all() for p in module.parameters())
     assert strategy.local_epoch == 3  # 7 good batches of 32 toward a target of 64: the NaN one did not count
+
+
+def test_injected_faults_are_skipped_or_rolled_back():
+    # two Inf-gradient steps from epoch 1, then NaN parameters right after the step that ends epoch 3
+    _, strategy, _, module, _ = _fit(SwarmClassifier, steps=10, faults="inf_grad@1x2,nan_params@3")
+    assert strategy.skipped_nonfinite_steps == 2
+    assert strategy.nonfinite_rollbacks == 1
+    assert strategy.resyncs == 2  # one after the run of bad gradients, one after the bad parameters
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert strategy.local_epoch == 4  # 8 good batches of 32 toward a target of 64
+
+
+def test_guard_undoes_a_local_update_that_overflows():
+    layer = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(layer.parameters(), lr=1e38, momentum=0.9)
+    guard = StateGuard(list(layer.parameters()), opt)
+    layer(torch.ones(1, 4)).sum().backward()
+    opt.step()  # finite: lr * grad stays below float32's max
+    guard.save(epoch=1)
+    before = [p.detach().clone() for p in layer.parameters()]
+    momentum = [opt.state[p]["momentum_buffer"].clone() for p in layer.parameters()]
+    layer(torch.ones(1, 4) * 1e6).sum().backward()
+    opt.step()  # overflows to Inf; the post-step hook puts the saved state back at once
+    assert guard.rollbacks == 1 and guard.finite()
+    for p, b, m in zip(layer.parameters(), before, momentum, strict=True):
+        assert torch.equal(p, b) and torch.equal(opt.state[p]["momentum_buffer"], m)
+    with pytest.raises(ValueError, match="kill:allreduce"):
+        parse_faults("kill:everything@3")
 
 
 def test_bf16_autocast_trains_through_hivemind():

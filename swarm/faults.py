@@ -1,0 +1,178 @@
+"""Fault injection for the fault-tolerance tests: a peer kills itself at a chosen moment of a global epoch,
+or corrupts its own gradients or parameters, exactly as a crash, a reclaimed machine or a bug would.
+
+Off unless ``train.inject_fault`` is set (the hidden ``--inject-fault`` flag). A spec is a comma-separated
+list of ``kind@epoch`` or ``kind@epochxcount`` items, e.g. ``kill:allreduce@5`` or
+``nan_grad@3x4,nan_params@6``:
+
+- ``kill:accumulating@E``: SIGKILL to the peer's whole process group in global epoch E, after a local step
+  that added samples to the swarm's next batch (mid-accumulation).
+- ``kill:matchmaking@E``: the same, from the gradient averager process, at least 0.2 s into looking for an
+  averaging group, once the peer has reached epoch E.
+- ``kill:allreduce@E``: the same, in the middle of a gradient all-reduce (after the first averaged part
+  has arrived), once the peer has reached epoch E.
+- ``nan_grad@ExN`` / ``inf_grad@ExN``: the first N local steps from epoch E produce NaN (Inf) gradients.
+- ``nan_params@E``: the parameters turn NaN right after the averaging that ends epoch E.
+
+Before it kills, the peer prints one ``FAULT INJECTED: ...`` line, so that a test can time the moment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import signal
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch and hivemind load only when a fault is injected: the config parses specs cheaply
+    import torch
+    from hivemind.averaging.control import StepControl
+
+KILL_KINDS = ("kill:accumulating", "kill:matchmaking", "kill:allreduce")
+GRAD_KINDS = ("nan_grad", "inf_grad")
+KINDS = (*KILL_KINDS, *GRAD_KINDS, "nan_params")
+_ARMED_NONE, _ARMED_MATCHMAKING, _ARMED_ALLREDUCE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault: what happens, at which global epoch, and (for gradients) for how many local steps."""
+
+    kind: str
+    epoch: int
+    count: int = 1
+
+
+def parse_faults(spec: str | None) -> tuple[Fault, ...]:
+    """Parse ``kind@epoch[xcount],...``; raises ValueError naming the bad item and the allowed kinds."""
+    faults = []
+    for item in (spec or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        kind, _, when = item.partition("@")
+        epoch, _, count = when.partition("x")
+        if kind not in KINDS or not epoch.isdigit() or (count and not count.isdigit()):
+            raise ValueError(
+                f"inject_fault item {item!r} is invalid: expected kind@epoch or kind@epochxcount with kind "
+                f"one of {', '.join(KINDS)}"
+            )
+        faults.append(Fault(kind, int(epoch), int(count) if count else 1))
+    return tuple(faults)
+
+
+def kill_own_group(where: str) -> None:
+    """Print the fault line, then SIGKILL every process of this peer (its process group), this one too."""
+    print(f"FAULT INJECTED: SIGKILL to the peer's process group {where}", flush=True)
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+    time.sleep(60)  # never reached: the signal is delivered at once
+
+
+class FaultInjector:
+    """Applies the parsed faults from inside the peer. The strategy calls its hooks; kills inside an
+    averaging round run in the gradient averager's own process, armed through shared memory."""
+
+    def __init__(self, faults: tuple[Fault, ...]) -> None:
+        self.faults = faults
+        self.armed = mp.Value("i", _ARMED_NONE)  # created before hivemind forks the averager: shared
+        self._grad_left = {f: f.count for f in faults if f.kind in GRAD_KINDS}
+        self._params_done: set[Fault] = set()
+
+    def grad_averager_factory(self, **kwargs: Any) -> Any:
+        """The gradient averager class for hivemind.Optimizer, with the kill hooks if any are asked for."""
+        from hivemind.optim.grad_averager import GradientAverager
+
+        if any(f.kind in ("kill:matchmaking", "kill:allreduce") for f in self.faults):
+            return partial(FaultyGradientAverager, armed=self.armed, **kwargs)
+        return partial(GradientAverager, **kwargs)
+
+    def on_local_step(self, epoch: int, samples_accumulated: int) -> None:
+        """After each local step: kill mid-accumulation, or arm the averager's kill for this epoch."""
+        for fault in self.faults:
+            if fault.epoch > epoch:
+                continue
+            if fault.kind == "kill:accumulating" and epoch == fault.epoch and samples_accumulated > 0:
+                kill_own_group(
+                    f"mid-accumulation ({samples_accumulated} samples toward global epoch {epoch + 1})"
+                )
+            elif fault.kind == "kill:matchmaking":
+                self.armed.value = _ARMED_MATCHMAKING
+            elif fault.kind == "kill:allreduce":
+                self.armed.value = _ARMED_ALLREDUCE
+
+    def corrupt_gradients(self, module: torch.nn.Module, epoch: int) -> bool:
+        """Turn this step's gradients NaN or Inf if a gradient fault is due; True if it did."""
+        for fault, left in self._grad_left.items():
+            if left > 0 and epoch >= fault.epoch:
+                self._grad_left[fault] = left - 1
+                value = float("nan") if fault.kind == "nan_grad" else float("inf")
+                for p in module.parameters():
+                    if p.grad is not None:
+                        p.grad.fill_(value)
+                        break
+                return True
+        return False
+
+    def corrupt_parameters(self, module: torch.nn.Module, epoch: int) -> bool:
+        """Turn one parameter NaN right after the averaging that ended ``epoch``, if due; True if it did."""
+        for fault in self.faults:
+            if fault.kind == "nan_params" and epoch >= fault.epoch and fault not in self._params_done:
+                self._params_done.add(fault)
+                import torch
+
+                with torch.no_grad():
+                    next(module.parameters()).fill_(float("nan"))
+                return True
+        return False
+
+
+def _make_faulty_averager():
+    from hivemind.averaging.control import AveragingStage
+    from hivemind.optim.grad_averager import GradientAverager as HivemindGradientAverager
+
+    # the class keeps hivemind's name: RPC handler names are built from it, and must match other peers'
+    class GradientAverager(HivemindGradientAverager):
+        """A GradientAverager that kills its peer during matchmaking or an all-reduce when armed."""
+
+        def __init__(self, *args: Any, armed: Any, **kwargs: Any) -> None:
+            self._fault_armed = armed
+            super().__init__(*args, **kwargs)
+
+        async def _step(self, *, step: StepControl, future_for_init: Any) -> Any:
+            if self._fault_armed.value == _ARMED_MATCHMAKING:
+                asyncio.get_event_loop().create_task(self._kill_in_matchmaking(step))
+            return await super()._step(step=step, future_for_init=future_for_init)
+
+        async def _kill_in_matchmaking(self, step: StepControl) -> None:
+            looking_since = None
+            while not step.done():
+                if step.stage == AveragingStage.LOOKING_FOR_GROUP:
+                    looking_since = looking_since or time.monotonic()
+                    if time.monotonic() - looking_since >= 0.2:
+                        kill_own_group("while looking for an averaging group (matchmaking)")
+                else:
+                    looking_since = None
+                await asyncio.sleep(0.02)
+
+        # hivemind reads _averaging_alpha once per averaged part it receives in an all-reduce, so this
+        # property is the one place that runs in the middle of a round, after other peers sent their parts
+        @property
+        def _averaging_alpha(self) -> float:
+            if self._fault_armed.value == _ARMED_ALLREDUCE:
+                kill_own_group("in the middle of a gradient all-reduce (first averaged part received)")
+            return self._alpha_value
+
+        @_averaging_alpha.setter
+        def _averaging_alpha(self, value: float) -> None:
+            self._alpha_value = value
+
+    return GradientAverager
+
+
+def FaultyGradientAverager(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 (a class factory, used as a class)
+    """Build the faulty gradient averager (the class is made lazily so that hivemind loads only when used)."""
+    return _make_faulty_averager()(*args, **kwargs)

@@ -1,0 +1,97 @@
+"""StateGuard: a peer never keeps, and never shares, non-finite parameters.
+
+The guard holds a CPU copy of the last finite state (parameters and optimizer state) of one peer, taken
+after every good global epoch. Two checks use it:
+
+- right after the local optimizer update, before hivemind averages parameters with the swarm: if the
+  update made anything non-finite (an overflow), the pre-update state is put back, so that the state
+  averaging round that follows sends finite numbers;
+- after the whole global step (averaging included), through :meth:`check`: if the parameters are
+  non-finite (a bad averaging result), the caller rolls back and reloads the swarm's state from peers.
+
+Copying the state costs one device-to-host transfer of parameters and AdamW moments per global epoch
+(about 1 GB for ViT-B/32), which is small next to a global epoch of a real swarm.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """True if no tensor holds a NaN or Inf (one device sync for all of them)."""
+    floats = [t for t in tensors if t.is_floating_point()]
+    if not floats:
+        return True
+    return bool(torch.stack([torch.isfinite(t).all() for t in floats]).all())
+
+
+class StateGuard:
+    """Last finite state of ``params`` and ``optimizer`` (on the CPU), restored in place when needed."""
+
+    def __init__(self, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
+        self.params, self.optimizer = params, optimizer
+        self.epoch: int | None = None
+        self.rollbacks = 0
+        self._params: list[torch.Tensor] = []
+        self._state: list[dict[str, Any]] = []
+        self._hook = optimizer.register_step_post_hook(self._after_local_update)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        state = [v for p in self.params for v in self.optimizer.state.get(p, {}).values()]
+        return list(self.params) + [v for v in state if isinstance(v, torch.Tensor)]
+
+    def finite(self) -> bool:
+        """True if every parameter and every optimizer state tensor is finite."""
+        return all_finite(self._tensors())
+
+    def save(self, epoch: int) -> None:
+        """Remember the current (finite) state as that of global epoch ``epoch``."""
+        with torch.no_grad():
+            self._params = [p.detach().to("cpu", copy=True) for p in self.params]
+            self._state = [
+                {
+                    k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+                    for k, v in self.optimizer.state.get(p, {}).items()
+                }
+                for p in self.params
+            ]
+        self.epoch = epoch
+
+    def restore(self) -> bool:
+        """Put the last finite state back, in place (hivemind's averagers share these tensors).
+
+        Returns False if there is no saved state yet.
+        """
+        if self.epoch is None:
+            return False
+        with torch.no_grad():
+            for p, saved in zip(self.params, self._params, strict=True):
+                p.copy_(saved)
+            for p, saved in zip(self.params, self._state, strict=True):
+                state = self.optimizer.state.setdefault(p, {})
+                for key, value in saved.items():
+                    if isinstance(value, torch.Tensor) and isinstance(state.get(key), torch.Tensor):
+                        state[key].copy_(value)
+                    else:
+                        state[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        self.rollbacks += 1
+        return True
+
+    def _after_local_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.epoch is None or self.finite():
+            return
+        self.restore()
+        log.error(
+            "The local optimizer update made the parameters non-finite; restored the state of global "
+            "epoch %d before averaging, so nothing non-finite reaches the swarm",
+            self.epoch,
+        )
+
+    def close(self) -> None:
+        self._hook.remove()

@@ -3,12 +3,13 @@ or corrupts its own gradients or parameters, exactly as a crash, a reclaimed mac
 
 Off unless ``train.inject_fault`` is set (the hidden ``--inject-fault`` flag). A spec is a comma-separated
 list of ``kind@epoch`` or ``kind@epochxcount`` items, e.g. ``kill:allreduce@5`` or
-``nan_grad@3x4,nan_params@6``:
+``nan_grad@3x4,nan_params@6``. ``kind@+E`` counts E from the global epoch at which the peer started
+(after loading the swarm's state), e.g. ``kill:allreduce@+2`` for a peer that joins a running swarm:
 
-- ``kill:accumulating@E``: SIGKILL to the peer's whole process group in global epoch E, after a local step
-  that added samples to the swarm's next batch (mid-accumulation).
-- ``kill:matchmaking@E``: the same, from the gradient averager process, at least 0.2 s into looking for an
-  averaging group, once the peer has reached epoch E.
+- ``kill:accumulating@E``: SIGKILL to the peer's whole process group from global epoch E on, after the
+  first local step that leaves samples accumulated toward the swarm's next batch (mid-accumulation).
+- ``kill:matchmaking@E``: the same, from the gradient averager process, while it looks for an averaging
+  group, once the peer has reached epoch E.
 - ``kill:allreduce@E``: the same, in the middle of a gradient all-reduce (after the first averaged part
   has arrived), once the peer has reached epoch E.
 - ``nan_grad@ExN`` / ``inf_grad@ExN``: the first N local steps from epoch E produce NaN (Inf) gradients.
@@ -45,6 +46,7 @@ class Fault:
     kind: str
     epoch: int
     count: int = 1
+    relative: bool = False  # epoch counts from the peer's first global epoch
 
 
 def parse_faults(spec: str | None) -> tuple[Fault, ...]:
@@ -55,13 +57,14 @@ def parse_faults(spec: str | None) -> tuple[Fault, ...]:
         if not item:
             continue
         kind, _, when = item.partition("@")
-        epoch, _, count = when.partition("x")
+        relative = when.startswith("+")
+        epoch, _, count = when.lstrip("+").partition("x")
         if kind not in KINDS or not epoch.isdigit() or (count and not count.isdigit()):
             raise ValueError(
-                f"inject_fault item {item!r} is invalid: expected kind@epoch or kind@epochxcount with kind "
-                f"one of {', '.join(KINDS)}"
+                f"inject_fault item {item!r} is invalid: expected kind@[+]epoch or kind@[+]epochxcount with "
+                f"kind one of {', '.join(KINDS)}"
             )
-        faults.append(Fault(kind, int(epoch), int(count) if count else 1))
+        faults.append(Fault(kind, int(epoch), int(count) if count else 1, relative))
     return tuple(faults)
 
 
@@ -78,9 +81,19 @@ class FaultInjector:
 
     def __init__(self, faults: tuple[Fault, ...]) -> None:
         self.faults = faults
+        self.started = False
         self.armed = mp.Value("i", _ARMED_NONE)  # created before hivemind forks the averager: shared
         self._grad_left = {f: f.count for f in faults if f.kind in GRAD_KINDS}
         self._params_done: set[Fault] = set()
+
+    def start(self, epoch: int) -> None:
+        """The peer trains from global epoch ``epoch`` on: fix the epochs of relative faults."""
+        if not self.started:
+            self.started = True
+            self.faults = tuple(
+                Fault(f.kind, f.epoch + epoch, f.count) if f.relative else f for f in self.faults
+            )
+            self._grad_left = {f: f.count for f in self.faults if f.kind in GRAD_KINDS}
 
     def grad_averager_factory(self, **kwargs: Any) -> Any:
         """The gradient averager class for hivemind.Optimizer, with the kill hooks if any are asked for."""
@@ -95,7 +108,7 @@ class FaultInjector:
         for fault in self.faults:
             if fault.epoch > epoch:
                 continue
-            if fault.kind == "kill:accumulating" and epoch == fault.epoch and samples_accumulated > 0:
+            if fault.kind == "kill:accumulating" and samples_accumulated > 0:
                 kill_own_group(
                     f"mid-accumulation ({samples_accumulated} samples toward global epoch {epoch + 1})"
                 )
@@ -148,15 +161,11 @@ def _make_faulty_averager():
             return await super()._step(step=step, future_for_init=future_for_init)
 
         async def _kill_in_matchmaking(self, step: StepControl) -> None:
-            looking_since = None
+            # a follower can find its group within milliseconds, so poll often and kill at the first sight
             while not step.done():
                 if step.stage == AveragingStage.LOOKING_FOR_GROUP:
-                    looking_since = looking_since or time.monotonic()
-                    if time.monotonic() - looking_since >= 0.2:
-                        kill_own_group("while looking for an averaging group (matchmaking)")
-                else:
-                    looking_since = None
-                await asyncio.sleep(0.02)
+                    kill_own_group("while looking for an averaging group (matchmaking)")
+                await asyncio.sleep(0.005)
 
         # hivemind reads _averaging_alpha once per averaged part it receives in an all-reduce, so this
         # property is the one place that runs in the middle of a round, after other peers sent their parts

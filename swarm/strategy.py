@@ -211,6 +211,8 @@ class HivemindStrategy(SingleDeviceStrategy):
             self.load_state_from_peers()
         if self.guard.finite():
             self.guard.save(self.local_epoch)
+        if self.faults is not None:
+            self.faults.start(self.local_epoch)
 
     def _start_at_epoch(self, epoch: int) -> None:
         """Make this peer's optimizer (and what it announces to the swarm) start at global epoch ``epoch``."""

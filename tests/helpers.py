@@ -13,6 +13,7 @@ from pathlib import Path
 from swarm.procs import start_group, stop_group
 
 JOIN_RE = re.compile(r"swarm-peer join --initial-peers (\S+)")
+EPOCH_RE = re.compile(r"\| epoch (\d+) \|")
 
 
 class PeerProcess:
@@ -23,7 +24,9 @@ class PeerProcess:
     ) -> None:
         """``launcher`` replaces ``python`` in front of ``-m peer`` (e.g. torchrun and its flags)."""
         self.name, self.args = name, args
+        self.started = time.time()
         self.lines: list[str] = []
+        self.times: list[float] = []  # when each line was read (wall clock, as in the peers' summaries)
         self.proc = start_group(
             [*(launcher or [sys.executable]), "-m", "peer", *args],
             stdout=subprocess.PIPE,
@@ -38,6 +41,7 @@ class PeerProcess:
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
+            self.times.append(time.time())
             self.lines.append(line.rstrip("\n"))
 
     @property
@@ -64,6 +68,22 @@ class PeerProcess:
         raise AssertionError(
             f"{self.name}: no line matching {pattern!r} within {timeout}s; output:\n" + self.output()[-6000:]
         )
+
+    def line_time(self, pattern: str) -> float:
+        """Wall-clock time at which the first line matching ``pattern`` was read."""
+        regex = re.compile(pattern)
+        for when, line in zip(self.times, self.lines, strict=False):
+            if regex.search(line):
+                return when
+        raise AssertionError(f"{self.name}: no line matching {pattern!r}; output:\n" + self.output()[-4000:])
+
+    def epoch(self) -> int:
+        """The global epoch of this peer's latest progress line (-1 before the first)."""
+        for line in reversed(self.lines):
+            match = EPOCH_RE.search(line)
+            if match:
+                return int(match.group(1))
+        return -1
 
     def join_address(self, timeout: float = 120) -> str:
         return self.wait_for(JOIN_RE.pattern, timeout).group(1)

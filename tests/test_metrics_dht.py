@@ -98,3 +98,42 @@ def test_dht_survives_requests_from_processes_that_exit_mid_request():
     finally:
         stop_dht(dht)
         remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
+
+
+def test_config_fingerprint_refuses_a_mismatch_and_ignores_forged_records(two_nodes):
+    from swarm.config import build_config, replace
+    from swarm.fingerprint import (
+        MONITOR_FIELDS,
+        ConfigMismatchError,
+        ConfigPublisher,
+        check_against_swarm,
+        make_record,
+    )
+
+    a, key_a, b, key_b = two_nodes
+    cfg = build_config("demo", {"run_id": RUN_ID}, environ={})
+    assert check_against_swarm(b, cfg) == 0  # the first peer has nothing to compare with
+    publisher = ConfigPublisher(a, cfg, key_a, "a")
+    publisher.maybe_publish()
+    deadline = time.time() + 10
+    while time.time() < deadline and check_against_swarm(b, cfg) == 0:
+        time.sleep(0.2)
+    assert check_against_swarm(b, cfg) == 1  # same settings: allowed
+
+    other = replace(cfg, num_classes=100, model_name="vit_small_patch16_224", batch_size=8)
+    with pytest.raises(ConfigMismatchError) as err:
+        check_against_swarm(b, other)
+    text = str(err.value)
+    assert "model.num_classes: swarm 10, here 100" in text and "model.model_name" in text
+    assert "batch_size" not in text and "\n" not in text  # per-peer settings may differ; one line
+    # a monitor compares the model and data set only: another learning rate does not stop it
+    assert check_against_swarm(b, replace(cfg, lr=0.5), only=MONITOR_FIELDS) == 1
+    with pytest.raises(ConfigMismatchError, match="train.lr"):
+        check_against_swarm(b, replace(cfg, lr=0.5))
+
+    # forged (B writes under A's key) and malformed records never enter the DHT
+    forged = make_record(other, "forged").dict()
+    key = metrics.config_key(RUN_ID)
+    assert not b.store(key, subkey=key_a, value=forged, expiration_time=get_dht_time() + 30)
+    assert not b.store(key, subkey=key_b, value={"fingerprint": 7}, expiration_time=get_dht_time() + 30)
+    assert check_against_swarm(b, cfg) == 1

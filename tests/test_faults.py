@@ -1,0 +1,267 @@
+"""Faults on 127.0.0.1 with real peers: peers killed at chosen moments, the entry peer dying, a peer whose
+numbers turn non-finite, and a newcomer whose model differs from the swarm's.
+
+Faults are injected from inside the victim (``--inject-fault``, see swarm/faults.py), which prints one
+``FAULT INJECTED`` line and then SIGKILLs its own process group, exactly as a reclaimed machine would die.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from swarm.procs import group_members, remove_stale_sockets
+from tests.helpers import PeerProcess, port_of, read_summary
+
+AVERAGING_TIMEOUT = 15.0  # configs/demo.yaml
+NEAR = 2e-4  # relative: peers that averaged the same round (see test_swarm_localhost for the reason)
+
+
+def _close(a: list[float], b: list[float], rel: float) -> bool:
+    return all(math.isclose(x, y, rel_tol=rel, abs_tol=rel) for x, y in zip(a, b, strict=True))
+
+
+def _finite(checksums: dict) -> bool:
+    return all(math.isfinite(v) for pair in checksums.values() for v in pair)
+
+
+def _common(run: str, log_dir: Path) -> list[str]:
+    return [
+        "--config",
+        "demo",
+        "--run-id",
+        run,
+        "--log-dir",
+        str(log_dir),
+        "--host-maddr",
+        "/ip4/127.0.0.1/tcp/0",
+    ]
+
+
+def _bootstrap(peers: list, run: str, log_dir: Path) -> tuple[PeerProcess, str]:
+    boot = PeerProcess("bootstrap", ["bootstrap", *_common(run, log_dir)], peers)
+    return boot, boot.join_address(timeout=120)
+
+
+def _join(peers: list, name: str, run: str, log_dir: Path, *extra: str, seed: int = 0) -> PeerProcess:
+    args = [
+        "join",
+        *_common(run, log_dir),
+        "--peer-name",
+        name,
+        "--seed",
+        str(seed),
+        "--log-every",
+        "1",
+        "--eval-every",
+        "1000",
+        "--threads",
+        "1",
+        *extra,
+    ]
+    return PeerProcess(name, args, peers)
+
+
+def _epoch_times(log_dir: Path, run: str, name: str) -> list[tuple[int, float]]:
+    return [(h["epoch"], h["time"]) for h in read_summary(log_dir, run, name)["history"]]
+
+
+def _recovery(survivors: dict[str, list[tuple[int, float]]], killed_at: float) -> float:
+    """Seconds from the kill until every survivor had completed a global epoch."""
+    return max(min(t for _, t in times if t > killed_at) for times in survivors.values()) - killed_at
+
+
+def _leave(peer: PeerProcess) -> None:
+    os.killpg(peer.pgid, signal.SIGTERM)
+    assert peer.wait(timeout=30) == 0, peer.output()[-3000:]
+
+
+def test_faulty_peer_never_shares_nonfinite_numbers_and_a_mismatched_newcomer_is_refused(peers, tmp_path):
+    run = "pytest-faulty"
+    _, address = _bootstrap(peers, run, tmp_path)
+    common = ("--max-epochs", "16", "--initial-peers", address)
+    healthy = _join(peers, "healthy", run, tmp_path, *common, seed=1)
+    faulty = _join(
+        peers, "faulty", run, tmp_path, *common, "--inject-fault", "nan_grad@+3x3,nan_params@+6", seed=2
+    )
+    healthy.wait_for(r"\| epoch \d+ \| peers 2", timeout=180)
+
+    # another model under the same run id: refused before it has an averager, the swarm never sees it
+    wrong = _join(
+        peers, "wrong", run, tmp_path, "--initial-peers", address, "--model", "vit_small_patch16_224", seed=3
+    )
+    assert wrong.wait(timeout=120) == 1, wrong.output()[-3000:]
+    out = wrong.output()
+    assert "do not match the swarm 'pytest-faulty'" in out, out[-3000:]
+    assert "model.model_name: swarm vit_tiny_patch16_224, here vit_small_patch16_224" in out
+    assert "--run-id" in out and "Traceback" not in out
+    assert "Loaded the swarm's state" not in out and "To join this swarm" not in out
+
+    for p in (healthy, faulty):
+        assert p.wait(timeout=300) == 0, f"{p.name}:\n{p.output()[-4000:]}"
+    assert not any("| peers 3" in line for line in healthy.lines + faulty.lines), "the refused peer took part"
+
+    good, bad = read_summary(tmp_path, run, "healthy"), read_summary(tmp_path, run, "faulty")
+    # the faulty peer skipped its 3 bad steps and rolled back its bad parameters, and said so
+    assert bad["skipped_nonfinite_steps"] == 3, bad
+    assert bad["nonfinite_rollbacks"] == 1 and bad["resyncs"] >= 2, bad
+    assert "Skipping a step with non-finite gradients" in faulty.output()
+    assert "The parameters are non-finite after global epoch" in faulty.output()
+    # nothing non-finite ever reached the healthy peer, and both ended with the same parameters
+    assert good["skipped_nonfinite_steps"] == 0 and good["nonfinite_rollbacks"] == 0
+    assert _finite(good["checksums"]) and good["final_epoch"] == bad["final_epoch"] == 16
+    assert _close(good["checksums"]["16"], bad["checksums"]["16"], 1e-6), (
+        good["checksums"],
+        bad["checksums"],
+    )
+
+
+def _wait_epoch(peer: PeerProcess, epoch: int, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and peer.epoch() < epoch:
+        assert peer.proc.poll() is None, f"{peer.name} exited:\n{peer.output()[-4000:]}"
+        time.sleep(0.5)
+    assert peer.epoch() >= epoch, (
+        f"{peer.name} stuck at epoch {peer.epoch()} < {epoch}:\n{peer.output()[-4000:]}"
+    )
+
+
+def _wait_gone(peer: PeerProcess, timeout: float = 30) -> int:
+    code = peer.wait(timeout=timeout)
+    deadline = time.time() + timeout
+    while group_members(peer.pgid) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not group_members(peer.pgid), f"{peer.name}: processes left {group_members(peer.pgid)}"
+    if code == -signal.SIGKILL:  # a killed p2p daemon cannot remove its socket files: no one holds them now
+        remove_stale_sockets(since=peer.started)
+    return code
+
+
+def _same_state(a: dict, b: dict) -> None:
+    """Both survivors hold finite parameters, equal at the last global epoch both recorded."""
+    assert _finite(a["checksums"]) and _finite(b["checksums"]), (a["checksums"], b["checksums"])
+    common = max(set(a["checksums"]) & set(b["checksums"]), key=int)
+    assert _close(a["checksums"][common], b["checksums"][common], NEAR), (
+        common,
+        a["checksums"],
+        b["checksums"],
+    )
+    for s in (a, b):  # no survivor ever went back to an older global epoch
+        epochs = [h["epoch"] for h in s["history"]]
+        assert epochs == sorted(epochs), (s["peer_name"], epochs)
+
+
+@pytest.mark.slow
+def test_a_peer_killed_mid_accumulation_in_matchmaking_or_in_allreduce(peers, tmp_path):
+    run = "pytest-kills"
+    monitor = PeerProcess(
+        "monitor",
+        [
+            "monitor",
+            *_common(run, tmp_path),
+            "--evaluate-every",
+            "1000",
+            "--checkpoint-uri",
+            str(tmp_path / "ck"),
+        ],
+        peers,
+    )
+    address = monitor.join_address(timeout=120)
+    forever = ("--max-epochs", "100000", "--initial-peers", address)
+    survivors = [_join(peers, name, run, tmp_path, *forever, seed=i) for i, name in ((1, "a"), (2, "b"))]
+    survivors[0].wait_for(r"\| epoch \d+ \| peers 2", timeout=180)
+
+    kills = {}
+    for i, (moment, said) in enumerate(
+        (("accumulating", "mid-accumulation"), ("matchmaking", "matchmaking"), ("allreduce", "all-reduce"))
+    ):
+        victim = _join(
+            peers,
+            f"victim-{moment}",
+            run,
+            tmp_path,
+            *forever,
+            "--inject-fault",
+            f"kill:{moment}@+2",
+            seed=10 + i,
+        )
+        line = victim.wait_for("FAULT INJECTED", timeout=240).string
+        assert said in line, line
+        kills[moment] = victim.line_time("FAULT INJECTED")
+        assert _wait_gone(victim) == -signal.SIGKILL
+        epoch = max(p.epoch() for p in survivors)
+        for p in survivors:  # the survivors go on: two more global epochs each
+            _wait_epoch(p, epoch + 2, timeout=AVERAGING_TIMEOUT + 90)
+
+    # the dead peers' metrics records expire (20 s in the demo config) and the monitor counts 2 peers again
+    time.sleep(25)
+    epoch = max(p.epoch() for p in survivors)
+    for p in survivors:
+        _wait_epoch(p, epoch + 2, timeout=90)
+    for p in survivors:
+        _leave(p)
+    _leave(monitor)
+
+    a, b = (read_summary(tmp_path, run, name) for name in ("a", "b"))
+    _same_state(a, b)
+    times = {"a": _epoch_times(tmp_path, run, "a"), "b": _epoch_times(tmp_path, run, "b")}
+    recovery = {moment: round(_recovery(times, at), 1) for moment, at in kills.items()}
+    print(f"\nseconds from the kill until both survivors completed a global epoch: {recovery}")
+    for moment, seconds in recovery.items():
+        assert seconds < AVERAGING_TIMEOUT + 15, (moment, recovery)
+
+    from swarm.logbook import read_run
+
+    peer_counts = [int(v) for _, v in read_run(tmp_path / run / "monitor")[0]["swarm/peers"]]
+    assert max(peer_counts) >= 3 and peer_counts[-1] == 2, peer_counts
+
+
+def test_the_entry_peer_dies_and_newcomers_join_through_any_survivor(peers, tmp_path):
+    run = "pytest-entry"
+    forever = ("--max-epochs", "100000")
+    entry = _join(peers, "entry", run, tmp_path, *forever, seed=1)
+    address = entry.join_address(timeout=120)
+    others = [
+        _join(peers, n, run, tmp_path, *forever, "--initial-peers", address, seed=i)
+        for i, n in ((2, "b"), (3, "c"))
+    ]
+    others[0].wait_for(r"\| epoch \d+ \| peers 3", timeout=180)
+    # every peer printed its own join line, so any of them can take newcomers
+    own = [p.join_address(timeout=10) for p in others]
+    assert len({port_of(a) for a in [address, *own]}) == 3, (address, own)
+
+    killed_epoch = max(p.epoch() for p in others)
+    os.killpg(entry.pgid, signal.SIGKILL)  # the machine that started the swarm is gone, without a goodbye
+    killed_at = time.time()
+    _wait_gone(entry)
+    for p in others:
+        _wait_epoch(p, killed_epoch + 3, timeout=AVERAGING_TIMEOUT + 90)
+
+    newcomer = _join(peers, "d", run, tmp_path, *forever, "--initial-peers", own[1], seed=4)
+    newcomer.wait_for("Loaded the swarm's state from peers", timeout=120)
+    _wait_epoch(newcomer, newcomer.epoch() + 2 if newcomer.epoch() >= 0 else killed_epoch + 5, timeout=120)
+    for p in [*others, newcomer]:
+        _leave(p)
+
+    b, c, d = (read_summary(tmp_path, run, n) for n in ("b", "c", "d"))
+    _same_state(b, c)
+    recovery = _recovery(
+        {"b": _epoch_times(tmp_path, run, "b"), "c": _epoch_times(tmp_path, run, "c")}, killed_at
+    )
+    print(
+        f"\nseconds from the entry peer's death until both survivors completed a global epoch: {recovery:.1f}"
+    )
+    assert recovery < AVERAGING_TIMEOUT + 15, recovery
+    # the newcomer got the swarm's state (not its own initialisation) through a survivor's address
+    loaded = d["loaded_epoch"]
+    assert loaded is not None and loaded >= killed_epoch + 3, (loaded, killed_epoch)
+    swarm_then = [
+        s["checksums"][str(e)] for s in (b, c) for e in (loaded, loaded - 1) if str(e) in s["checksums"]
+    ]
+    assert any(_close(d["start_checksum"], x, NEAR) for x in swarm_then), (d["start_checksum"], swarm_then)
+    assert d["final_epoch"] >= loaded + 2

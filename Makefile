@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PEERS ?= 3
 
-.PHONY: demo test install clean
+.PHONY: demo test test-slow install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,11 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/swarm-peer demo --peers $(PEERS)
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow"
+
+# the long fault tests (peers killed at three moments, churn): about 10 minutes more
+test-slow: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -s -m slow
 
 clean:
 	rm -rf $(VENV) runs *.egg-info

@@ -70,14 +70,16 @@ def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
 def _explain(url: str, exc: BaseException) -> str:
     """One line that says what went wrong with ``url`` and how to fix it."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    refused = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Access Key Id", "credentials")
     if url.startswith("s3"):
-        if isinstance(exc, FileNotFoundError) or "NoSuchBucket" in text or "does not exist" in text:
-            return f"{url}: the S3 bucket does not exist ({text}); create it or fix --checkpoint-uri"
-        if isinstance(exc, PermissionError) or "AccessDenied" in text or "InvalidAccessKeyId" in text:
+        # credentials first: S3 says "The AWS Access Key Id you provided does not exist in our records"
+        if isinstance(exc, PermissionError) or any(word in text for word in refused):
             return (
                 f"{url}: S3 refused access ({text}); check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
                 "or AWS_PROFILE"
             )
+        if isinstance(exc, FileNotFoundError) or "NoSuchBucket" in text or "does not exist" in text:
+            return f"{url}: the S3 bucket does not exist ({text}); create it or fix --checkpoint-uri"
         return f"{url}: S3 request failed ({text}); check --s3-endpoint-url, the network and the credentials"
     return f"{url}: {text}"
 

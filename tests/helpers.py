@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from swarm.procs import start_group, stop_group
+from swarm.procs import group_members, remove_stale_sockets, start_group, stop_group
 
 JOIN_RE = re.compile(r"swarm-peer join --initial-peers (\S+)")
 EPOCH_RE = re.compile(r"\| epoch (\d+) \|")
@@ -95,6 +96,21 @@ class PeerProcess:
             raise AssertionError(
                 f"{self.name} did not finish within {timeout}s; output:\n" + self.output()[-6000:]
             ) from None
+
+    def wait_gone(self, timeout: float = 30) -> int:
+        """Wait until the leader and every process of its group have exited; returns the leader's code.
+
+        A SIGKILLed peer's p2p daemon cannot remove its socket files: once no process of the group is left,
+        the socket files that appeared since this peer started and that no one holds are removed.
+        """
+        code = self.wait(timeout=timeout)
+        deadline = time.time() + timeout
+        while group_members(self.pgid) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not group_members(self.pgid), f"{self.name}: processes left {group_members(self.pgid)}"
+        if code == -signal.SIGKILL:
+            remove_stale_sockets(since=self.started)
+        return code
 
     def stop(self, grace: float = 15.0) -> int | None:
         code = stop_group(self.proc, grace=grace)

@@ -154,3 +154,44 @@ def test_s3_checkpoints_through_a_real_s3_server(s3_server, cfg):
     with pytest.raises(CheckpointError) as err:
         CheckpointKeeper(replace(cfg, s3_endpoint_url=closed))
     assert "bucket does not exist" not in str(err.value) and "--s3-endpoint-url" in str(err.value)
+
+
+def test_s3_bad_credentials_give_one_line_and_leave_the_checkpoint_alone(s3_server, cfg, monkeypatch):
+    import boto3
+    from moto.core.authorization import enable_iam_authentication
+
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket="creds")
+    url = "s3://creds/run/best.ckpt"
+    save_checkpoint(url, _valid(cfg), s3_server)
+    before = load_checkpoint(url, s3_server)["state_dict"]
+    # the server now checks signatures against its IAM users; "testing" is not one of them
+    with enable_iam_authentication():
+        with pytest.raises(CheckpointError) as err:
+            save_checkpoint(
+                url, make_checkpoint(create_model(replace(cfg, init_seed=5).model), cfg, 2, {}), s3_server
+            )
+        assert "S3 refused access" in str(err.value) and "AWS_ACCESS_KEY_ID" in str(err.value)
+        assert "\n" not in str(err.value)
+        with pytest.raises(CheckpointError, match="S3 refused access"):
+            CheckpointKeeper(replace(cfg, checkpoint_uri="s3://creds/run", s3_endpoint_url=s3_server))
+    after = load_checkpoint(url, s3_server)
+    assert after["global_epoch"] == 1  # the refused upload did not touch what was there
+    assert all(torch.equal(before[k], after["state_dict"][k]) for k in before)
+
+
+def test_a_corrupt_resume_checkpoint_stops_join_in_one_line_and_stays_as_it_was(tmp_path, cfg):
+    from click.testing import CliRunner
+
+    from peer.cli import main
+
+    path = tmp_path / "broken.ckpt"
+    save_checkpoint(str(path), _valid(cfg))
+    path.write_bytes(path.read_bytes()[:5000])
+    data = path.read_bytes()
+    result = CliRunner().invoke(
+        main, ["join", "--config", "demo", "--resume-from", str(path), "--log-dir", str(tmp_path / "runs")]
+    )
+    assert result.exit_code == 1, result.output
+    assert "corrupt or truncated" in result.output and "Traceback" not in result.output
+    assert len([line for line in result.output.splitlines() if line.startswith("Error")]) == 1
+    assert path.read_bytes() == data

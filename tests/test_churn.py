@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.procs import group_members, remove_stale_sockets
+from swarm.procs import group_members
 from tests.helpers import EPOCH_RE, PeerProcess
 
 SECONDS = float(os.environ.get("CHURN_SECONDS", 150))
@@ -53,11 +53,8 @@ class Swarm:
         how = self.rng.choice(("SIGKILL", "SIGTERM"))
         os.killpg(peer.pgid, getattr(signal, how))
         self.events.append(f"{time.strftime('%H:%M:%S')} {how} {peer.name} ({len(self.live)} live)")
-        if how == "SIGKILL":
-            peer.wait(timeout=30)
-            remove_stale_sockets(since=peer.started)  # no one can remove a killed daemon's socket files
-        else:
-            assert peer.wait(timeout=30) == 0, peer.output()[-3000:]
+        code = peer.wait_gone(timeout=30)
+        assert code == (-signal.SIGKILL if how == "SIGKILL" else 0), peer.output()[-3000:]
 
     def progress(self, since: float) -> list[tuple[float, int]]:
         """(time, highest global epoch any peer had shown so far) for every progress line after ``since``."""
@@ -87,6 +84,9 @@ class Swarm:
         for peer in self.live:
             assert peer.wait(timeout=30) == 0, peer.output()[-3000:]
         self.live = []
+        deadline = time.time() + 30
+        while time.time() < deadline and any(group_members(p.pgid) for p in self.all):
+            time.sleep(0.2)
 
 
 def _phase(peers: list, tmp_path: Path, run: str, churn: bool) -> dict:
@@ -95,6 +95,10 @@ def _phase(peers: list, tmp_path: Path, run: str, churn: bool) -> dict:
         swarm.spawn()
     swarm.all[0].wait_for(r"\| epoch \d+ \| peers 3", timeout=180)
     start = time.time()
+    print(
+        f"\n{time.strftime('%H:%M:%S')} {run}: 3 peers training; "
+        f"{'churn' if churn else 'no churn'} for {SECONDS:.0f} s"
+    )
     while time.time() - start < SECONDS:
         time.sleep(swarm.rng.uniform(10, 20))
         if not churn:

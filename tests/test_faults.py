@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from swarm.procs import group_members, remove_stale_sockets
 from tests.helpers import PeerProcess, port_of, read_summary
 
 AVERAGING_TIMEOUT = 15.0  # configs/demo.yaml
@@ -131,17 +130,6 @@ def _wait_epoch(peer: PeerProcess, epoch: int, timeout: float) -> None:
     )
 
 
-def _wait_gone(peer: PeerProcess, timeout: float = 30) -> int:
-    code = peer.wait(timeout=timeout)
-    deadline = time.time() + timeout
-    while group_members(peer.pgid) and time.time() < deadline:
-        time.sleep(0.2)
-    assert not group_members(peer.pgid), f"{peer.name}: processes left {group_members(peer.pgid)}"
-    if code == -signal.SIGKILL:  # a killed p2p daemon cannot remove its socket files: no one holds them now
-        remove_stale_sockets(since=peer.started)
-    return code
-
-
 def _same_state(a: dict, b: dict) -> None:
     """Both survivors hold finite parameters, equal at the last global epoch both recorded."""
     assert _finite(a["checksums"]) and _finite(b["checksums"]), (a["checksums"], b["checksums"])
@@ -193,7 +181,7 @@ def test_a_peer_killed_mid_accumulation_in_matchmaking_or_in_allreduce(peers, tm
         line = victim.wait_for("FAULT INJECTED", timeout=240).string
         assert said in line, line
         kills[moment] = victim.line_time("FAULT INJECTED")
-        assert _wait_gone(victim) == -signal.SIGKILL
+        assert victim.wait_gone() == -signal.SIGKILL
         epoch = max(p.epoch() for p in survivors)
         for p in survivors:  # the survivors go on: two more global epochs each
             _wait_epoch(p, epoch + 2, timeout=AVERAGING_TIMEOUT + 90)
@@ -238,7 +226,7 @@ def test_the_entry_peer_dies_and_newcomers_join_through_any_survivor(peers, tmp_
     killed_epoch = max(p.epoch() for p in others)
     os.killpg(entry.pgid, signal.SIGKILL)  # the machine that started the swarm is gone, without a goodbye
     killed_at = time.time()
-    _wait_gone(entry)
+    entry.wait_gone()
     for p in others:
         _wait_epoch(p, killed_epoch + 3, timeout=AVERAGING_TIMEOUT + 90)
 

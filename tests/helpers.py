@@ -100,16 +100,16 @@ class PeerProcess:
     def wait_gone(self, timeout: float = 30) -> int:
         """Wait until the leader and every process of its group have exited; returns the leader's code.
 
-        A SIGKILLed peer's p2p daemon cannot remove its socket files: once no process of the group is left,
-        the socket files that appeared since this peer started and that no one holds are removed.
+        A SIGKILLed peer cannot remove its socket files: once no process of the group is left, the socket
+        files that appeared since this peer started and that no one holds (within 5 s) are removed.
         """
         code = self.wait(timeout=timeout)
         deadline = time.time() + timeout
         while group_members(self.pgid) and time.time() < deadline:
             time.sleep(0.2)
         assert not group_members(self.pgid), f"{self.name}: processes left {group_members(self.pgid)}"
-        if code == -signal.SIGKILL:
-            remove_stale_sockets(since=self.started)
+        if code == -signal.SIGKILL:  # a killed process's threads may hold its sockets a moment longer
+            remove_stale_sockets(since=self.started, settle=5.0)
         return code
 
     def stop(self, grace: float = 15.0) -> int | None:

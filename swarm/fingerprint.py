@@ -122,8 +122,9 @@ class ConfigPublisher:
     def __init__(self, dht: hivemind.DHT, cfg: ExperimentConfig, public_key: bytes, peer_name: str) -> None:
         self.dht, self.key, self.public_key = dht, config_key(cfg.swarm.run_id), public_key
         self.record = make_record(cfg, peer_name)
-        self.every = cfg.swarm.metrics_expiration
-        self.expiration = 3 * cfg.swarm.metrics_expiration
+        # short-lived, so that a swarm restarted with new settings is not refused by its predecessor for long
+        self.every = cfg.swarm.metrics_expiration / 2
+        self.expiration = 1.5 * cfg.swarm.metrics_expiration
         self.next_at = 0.0
 
     def maybe_publish(self) -> None:

@@ -24,11 +24,13 @@ log = logging.getLogger(__name__)
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """True if no tensor holds a NaN or Inf (one device sync for all of them)."""
-    floats = [t for t in tensors if t.is_floating_point()]
-    if not floats:
-        return True
-    return bool(torch.stack([torch.isfinite(t).all() for t in floats]).all())
+    """True if no tensor holds a NaN or Inf (one sync per device; AdamW keeps its step count on the CPU
+    while the parameters may be on a GPU)."""
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.is_floating_point():
+            flags.setdefault(t.device, []).append(torch.isfinite(t).all())
+    return all(bool(torch.stack(group).all()) for group in flags.values())
 
 
 class StateGuard:

@@ -207,10 +207,14 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.optimizers = [self.hivemind_opt]
         if self.resume_epoch:
             self._start_at_epoch(self.resume_epoch)
+        self.guard.save(self.local_epoch)  # this peer's own (initial or resumed) state, as a fallback
         if self.load_state_on_start:
             self.load_state_from_peers()
-        if self.guard.finite():
-            self.guard.save(self.local_epoch)
+            if self.guard.finite():
+                self.guard.save(self.local_epoch)
+            else:
+                self.guard.restore()
+                log.error("The swarm's state is non-finite; starting from this peer's own parameters instead")
         if self.faults is not None:
             self.faults.start(self.local_epoch)
 
@@ -281,19 +285,22 @@ class HivemindStrategy(SingleDeviceStrategy):
     def _after_global_step(self, module: torch.nn.Module) -> None:
         """After each global step: keep the state if finite, else roll back and reload from peers."""
         assert self.guard is not None
-        if self.faults is not None:
-            self.faults.corrupt_parameters(module, self.local_epoch)
-        if self.guard.finite():
-            self.guard.save(self.local_epoch)
-            return
+        assert self.hivemind_opt is not None
+        # under the averager's lock: a newcomer downloading our state never gets it half restored
+        with self.hivemind_opt.state_averager.lock_averaged_tensors:
+            if self.faults is not None:
+                self.faults.corrupt_parameters(module, self.local_epoch)
+            if self.guard.finite():
+                self.guard.save(self.local_epoch)
+                return
+            self.guard.restore()
         self.nonfinite_rollbacks += 1
         log.error(
-            "The parameters are non-finite after global epoch %d; rolling back to the state of global epoch "
-            "%s and reloading the swarm's state from peers",
+            "The parameters are non-finite after global epoch %d; rolled back to the state of global epoch "
+            "%s, reloading the swarm's state from peers",
             self.local_epoch,
             self.guard.epoch,
         )
-        self.guard.restore()
         self._resync("after non-finite parameters")
 
     def _resync(self, why: str) -> None:

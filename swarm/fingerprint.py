@@ -17,7 +17,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from swarm.metrics import ConfigRecord, config_key
+from swarm.metrics import ConfigRecord, config_key, subkey_entries
 
 if TYPE_CHECKING:
     import hivemind
@@ -62,11 +62,8 @@ def make_record(cfg: ExperimentConfig, peer_name: str) -> ConfigRecord:
 
 def fetch_records(dht: hivemind.DHT, run_id: str, timeout: float = 10.0) -> list[ConfigRecord]:
     """The live peers' config records; malformed ones are skipped (the validators dropped forgeries)."""
-    result = dht.get(config_key(run_id), latest=True, return_future=True).result(timeout=timeout)
-    if result is None or not isinstance(result.value, dict):
-        return []
     records = []
-    for entry in result.value.values():
+    for entry in subkey_entries(dht, config_key(run_id), timeout).values():
         try:
             records.append(ConfigRecord.parse_obj(entry.value))
         except Exception as exc:  # a buggy or hostile record must not decide whether we may join

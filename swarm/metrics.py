@@ -135,6 +135,15 @@ def publish(dht: "hivemind.DHT", run_id: str, public_key: bytes, record: LocalMe
     )
 
 
+def subkey_entries(dht: "hivemind.DHT", key: str, timeout: float = 10.0) -> dict:
+    """{subkey: entry} stored under ``key`` ({} if none). Waits at most ``timeout`` seconds (raises
+    TimeoutError), so a dead DHT process cannot hang the caller."""
+    result = dht.get(key, latest=True, return_future=True).result(timeout=timeout)
+    if result is None or not isinstance(result.value, dict):
+        return {}
+    return result.value
+
+
 def fetch(
     dht: "hivemind.DHT", run_id: str, warned: set | None = None, timeout: float = 10.0
 ) -> dict[bytes, LocalMetrics]:
@@ -142,12 +151,9 @@ def fetch(
 
     Waits at most ``timeout`` seconds (raises TimeoutError), so a dead DHT process cannot hang the caller.
     """
-    result = dht.get(metrics_key(run_id), latest=True, return_future=True).result(timeout=timeout)
-    if result is None or not isinstance(result.value, dict):
-        return {}
     warned = set() if warned is None else warned
     out: dict[bytes, LocalMetrics] = {}
-    for subkey, entry in result.value.items():
+    for subkey, entry in subkey_entries(dht, metrics_key(run_id), timeout).items():
         try:
             out[subkey] = LocalMetrics.parse_obj(entry.value)
         except Exception as exc:  # a record from a buggy or hostile peer must not stop us
@@ -166,11 +172,8 @@ def fetch_progress(dht: "hivemind.DHT", run_id: str, timeout: float = 10.0) -> l
     """hivemind's per-peer LocalTrainingProgress records (epoch, samples toward the next step, client)."""
     from hivemind.optim.progress_tracker import LocalTrainingProgress
 
-    result = dht.get(progress_key(run_id), latest=True, return_future=True).result(timeout=timeout)
-    if result is None or not isinstance(result.value, dict):
-        return []
     out = []
-    for entry in result.value.values():
+    for entry in subkey_entries(dht, progress_key(run_id), timeout).values():
         try:
             if entry.value is not None:
                 out.append(LocalTrainingProgress.parse_obj(entry.value))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import signal
 import subprocess
@@ -137,6 +138,32 @@ def plain_timm_model(model_cfg):
 
 def read_summary(log_dir: Path, run_id: str, peer_name: str) -> dict:
     return json.loads((log_dir / run_id / "volunteer" / peer_name / "summary.json").read_text())
+
+
+def synced_epochs(
+    a: dict, b: dict, rel: float, between: tuple[float, float] = (0.0, math.inf)
+) -> tuple[list[int], list[int]]:
+    """The global epochs that both peers (their summaries) completed within ``between`` (wall-clock times),
+    and those of them at which both held equal parameters (checksums within ``rel``, relative).
+
+    Equality holds per successful averaging round, not at every epoch: when a round fails, hivemind goes on
+    with local updates and the peers differ (by ~5e-4 in the sum of squares) until the next parameter
+    averaging succeeds.
+    """
+
+    def done(s: dict) -> set[int]:
+        return {h["epoch"] for h in s["history"] if between[0] <= h["time"] <= between[1]}
+
+    common = sorted(done(a) & done(b) & {int(e) for e in a["checksums"]} & {int(e) for e in b["checksums"]})
+    equal = [
+        e
+        for e in common
+        if all(
+            math.isclose(x, y, rel_tol=rel, abs_tol=rel)
+            for x, y in zip(a["checksums"][str(e)], b["checksums"][str(e)], strict=True)
+        )
+    ]
+    return common, equal
 
 
 def port_of(maddr: str) -> int:

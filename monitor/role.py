@@ -81,7 +81,7 @@ class Evaluator:
         result = evaluate(net, self.loader, device, autocast_dtype(self.cfg.train.precision))
         with self.lock:
             self.board.write_eval(epoch, result)
-            improved = self.keeper.save(net.net, self.model.optimizer, epoch, result)
+            improved = self.keeper.save(net.net, self.model.adamw, epoch, result)
         self.done += 1
         log.info(
             "Swarm model at global epoch %d: val acc %.4f, top-5 %.4f, loss %.4f on %d images (%.1f s)%s",

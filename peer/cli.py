@@ -10,11 +10,12 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
 
-from swarm.config import DATASETS, DEVICES, PRECISIONS, STRATEGIES, ConfigError, build_config
+from swarm.config import AVERAGING, DATASETS, DEVICES, PRECISIONS, STRATEGIES, ConfigError, build_config
 
 
 def _fail_cleanly(func: Callable) -> Callable:
@@ -105,6 +106,22 @@ def swarm_options(func: Callable) -> Callable:
     return func
 
 
+def averaging_options() -> list[Callable]:
+    return [
+        click.option(
+            "--averaging",
+            type=click.Choice(AVERAGING),
+            default=None,
+            help="gradients: average every step's gradients; diloco: local steps, then an outer step.",
+        ),
+        click.option(
+            "--local-steps", type=int, default=None, help="DiLoCo: inner steps per outer step [50]."
+        ),
+        click.option("--outer-lr", type=float, default=None, help="DiLoCo: outer Nesterov SGD lr [0.7]."),
+        click.option("--outer-momentum", type=float, default=None, help="DiLoCo: outer momentum [0.9]."),
+    ]
+
+
 def training_options(func: Callable) -> Callable:
     """Options of a training peer."""
     options = [
@@ -142,6 +159,13 @@ def training_options(func: Callable) -> Callable:
         click.option(
             "--limit-train-samples", type=int, default=None, help="Train on the first N images only."
         ),
+        click.option(
+            "--compression",
+            default=None,
+            metavar="none|fp16|int8|powersgd:<rank>",
+            help="How gradients and parameters travel between peers [none].",
+        ),
+        *averaging_options(),
         click.option("--inject-fault", default=None, hidden=True, help="Tests only; see swarm/faults.py."),
     ]
     for option in reversed(options):
@@ -255,6 +279,12 @@ def bootstrap(**params: Any) -> None:
     "--evaluate-every", type=int, default=None, help="Evaluate the swarm's model every N global epochs."
 )
 @click.option("--poll-every", type=float, default=None, help="Seconds between reads of the peers' metrics.")
+@click.option(
+    "--averaging",
+    type=click.Choice(AVERAGING),
+    default=None,
+    help="The swarm's averaging (its state differs under diloco) [gradients].",
+)
 @checkpoint_options
 @_fail_cleanly
 def monitor(**params: Any) -> None:
@@ -431,3 +461,43 @@ def demo(peers: int, config: str, max_epochs: int | None, run_id: str | None, lo
 
 if __name__ == "__main__":
     main()
+
+
+@main.command()
+@click.option(
+    "--scenario",
+    "scenarios",
+    type=click.Choice(["all", "comm", "join"]),
+    multiple=True,
+    default=("all",),
+    show_default=True,
+    help="What to measure (repeat the option for several).",
+)
+@click.option("--out", default="runs/bench.jsonl", show_default=True, help="JSON lines are appended here.")
+@click.option("--work-dir", default="runs/bench", show_default=True, help="Peers' logs and runs.")
+@click.option(
+    "--samples", type=click.IntRange(256), default=6400, show_default=True, help="comm: samples per mode."
+)
+@click.option(
+    "--local-steps", type=click.IntRange(1), default=50, show_default=True, help="comm: DiLoCo's H."
+)
+@_fail_cleanly
+def bench(scenarios: tuple[str, ...], out: str, work_dir: str, samples: int, local_steps: int) -> None:
+    """Measure the swarm on 127.0.0.1: bytes and accuracy per compression mode, and a newcomer's join time.
+
+    Prints a table and appends JSON lines to --out; see the README's "Performance" section.
+    """
+    from peer.bench import SCENARIOS, run_bench
+
+    chosen = list(SCENARIOS) if "all" in scenarios else list(dict.fromkeys(scenarios))
+    run_bench(chosen, Path(out), Path(work_dir), samples=samples, local_steps=local_steps)
+
+
+@main.command("bench-donor", hidden=True)
+@click.option("--model", "model_name", required=True)
+@click.option("--prefix", required=True)
+def bench_donor(model_name: str, prefix: str) -> None:
+    """The peer that serves its state in `bench --scenario join` (started by the bench itself)."""
+    from peer.bench import serve_state
+
+    serve_state(model_name, prefix)

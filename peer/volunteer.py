@@ -124,6 +124,7 @@ class SwarmReporter(L.Callback):
             "samples": self.window_samples,
             "mini_steps": len(self.losses),
             "time": time.time(),
+            "bytes_sent": self.strategy.bytes_sent,  # cumulative, in averaging rounds
         }
         val: dict[str, Any] = {}
         if self.stop.event.is_set():  # leaving on a signal: no evaluation, no DHT traffic, just go
@@ -213,6 +214,16 @@ class SwarmReporter(L.Callback):
             val,
         )
 
+    def _diloco_summary(self) -> dict[str, Any]:
+        d = self.strategy.diloco
+        if d is None:
+            return {}
+        return {
+            "outer_steps": d.outer_steps,
+            "seconds_waiting_for_the_swarm": round(d.waited, 2),
+            "diloco_loaded": d.loaded,
+        }
+
     def summary(self) -> dict[str, Any]:
         done = [h for h in self.history if h["mini_steps"]]
         return {
@@ -234,6 +245,8 @@ class SwarmReporter(L.Callback):
             "skipped_nonfinite_steps": self.strategy.skipped_nonfinite_steps,
             "nonfinite_rollbacks": self.strategy.nonfinite_rollbacks,
             "resyncs": self.strategy.resyncs,
+            "bytes_sent": self.strategy.bytes_sent,
+            **self._diloco_summary(),
             "seconds": time.time() - self.started if hasattr(self, "started") else 0.0,
         }
 
@@ -355,6 +368,11 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
             resume_epoch=resume.get("global_epoch"),
             resume_optimizer_state=resume.get("optimizer"),
             faults=_fault_injector(cfg),
+            compression=cfg.swarm.compression,
+            averaging=cfg.swarm.averaging,
+            local_steps=cfg.swarm.local_steps,
+            outer_lr=cfg.swarm.outer_lr,
+            outer_momentum=cfg.swarm.outer_momentum,
         )
         reporter = SwarmReporter(cfg, strategy, public_key, peer_name, val_loader(val_set, cfg.data), stop)
         reporter.publisher = publisher

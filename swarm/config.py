@@ -20,6 +20,7 @@ PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
 DEVICES = ("auto", "cpu", "cuda")
 DATASETS = ("digits", "cifar10")
 STRATEGIES = ("ddp", "fsdp", "ddp_spawn", "dp", "single")
+AVERAGING = ("gradients", "diloco")
 
 
 class ConfigError(ValueError):
@@ -137,6 +138,16 @@ class SwarmConfig:
     (hivemind's default equals matchmaking_time) gives 'received 66% results' and silently diverging peers."""
     average_state_every: int = 1
     """Average parameters with peers every this many global epochs (keeps drifted peers in line)."""
+    compression: str = "none"
+    """How tensors travel: 'none', 'fp16', 'int8' or 'powersgd:<rank>' (see swarm/compression.py)."""
+    averaging: str = "gradients"
+    """'gradients' (average every global step's gradients) or 'diloco' (local steps, then an outer step)."""
+    local_steps: int = 50
+    """DiLoCo: inner (AdamW) steps a peer takes before it offers its pseudo-gradient to the outer step."""
+    outer_lr: float = 0.7
+    """DiLoCo: learning rate of the outer Nesterov SGD (the paper's 0.7)."""
+    outer_momentum: float = 0.9
+    """DiLoCo: momentum of the outer Nesterov SGD (the paper's 0.9)."""
     load_state_timeout: float = 60.0
     """Seconds to wait for a peer to send the swarm's state to a newcomer."""
     bootstrap_timeout: float = 20.0
@@ -174,6 +185,16 @@ class SwarmConfig:
         _check(
             self.average_state_every >= 1, "average_state_every", self.average_state_every, "an integer >= 1"
         )
+        from swarm.compression import CompressionError, parse_compression
+
+        try:
+            parse_compression(self.compression)
+        except CompressionError as exc:
+            raise ConfigError(str(exc)) from None
+        _check(self.averaging in AVERAGING, "averaging", self.averaging, f"one of {', '.join(AVERAGING)}")
+        _check(self.local_steps >= 1, "local_steps", self.local_steps, "an integer >= 1")
+        _check(self.outer_lr > 0, "outer_lr", self.outer_lr, "a number > 0")
+        _check(0 <= self.outer_momentum < 1, "outer_momentum", self.outer_momentum, "a number in [0, 1)")
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ import logging
 import math
 import signal
 import threading
+import warnings
 from collections.abc import Callable
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,7 +34,10 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from swarm import traffic
+from swarm.compression import parse_compression
 from swarm.dht import stop_dht
+from swarm.diloco import DiLoCo
 from swarm.guard import StateGuard, all_finite
 from swarm.procs import p2p_daemon_alive
 
@@ -59,8 +62,10 @@ class GlobalEpochScheduler:
         self.optimizer, self.scheduler = optimizer, scheduler
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        while self.scheduler.last_epoch < self.optimizer.local_epoch:
-            self.scheduler.step()
+        with warnings.catch_warnings():  # a newcomer may jump epochs before its first local step: intended
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+            while self.scheduler.last_epoch < self.optimizer.local_epoch:
+                self.scheduler.step()
 
     def state_dict(self) -> dict:
         return self.scheduler.state_dict()
@@ -99,6 +104,10 @@ class HivemindStrategy(SingleDeviceStrategy):
         resume_optimizer_state: the optimizer's ``state_dict`` from that checkpoint (AdamW moments).
         verbose: let hivemind log its internal events at INFO level.
         faults: a FaultInjector (tests only): kills and corrupted numbers at chosen moments.
+        compression: 'none', 'fp16', 'int8' or 'powersgd:<rank>' (see swarm/compression.py).
+        averaging: 'gradients' (every global step averages gradients) or 'diloco' (see swarm/diloco.py:
+            ``local_steps`` inner steps of the module's optimizer, then an outer Nesterov SGD step with
+            ``outer_lr`` and ``outer_momentum`` on the averaged pseudo-gradient).
         optimizer_kwargs: passed on to ``hivemind.Optimizer``.
     """
 
@@ -123,6 +132,11 @@ class HivemindStrategy(SingleDeviceStrategy):
         resume_optimizer_state: dict | None = None,
         verbose: bool = False,
         faults: FaultInjector | None = None,
+        compression: str = "none",
+        averaging: str = "gradients",
+        local_steps: int = 50,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
         **optimizer_kwargs: Any,
     ) -> None:
         super().__init__(device=device)
@@ -134,6 +148,12 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.nonfinite_rollbacks = 0  # global epochs after which the parameters were non-finite
         self.resyncs = 0  # state downloads after a fault
         self.faults, self.guard = faults, None
+        if averaging not in ("gradients", "diloco"):
+            raise MisconfigurationException(f"averaging must be 'gradients' or 'diloco', got {averaging!r}")
+        self.compression = parse_compression(compression)
+        self.averaging = averaging
+        self._diloco_args = dict(local_steps=local_steps, outer_lr=outer_lr, outer_momentum=outer_momentum)
+        self.diloco: DiLoCo | None = None
         self._in_nonfinite_burst = False
         self.loaded_epoch: int | None = None
         self.resume_epoch, self.resume_optimizer_state = resume_epoch, resume_optimizer_state
@@ -158,6 +178,11 @@ class HivemindStrategy(SingleDeviceStrategy):
         """This peer's global epoch (number of swarm optimizer steps it has taken part in)."""
         return self.hivemind_opt.local_epoch if self.hivemind_opt is not None else 0
 
+    @property
+    def bytes_sent(self) -> float:
+        """Bytes this process has sent in averaging rounds (swarm/traffic.py)."""
+        return traffic.bytes_sent()
+
     # ---- Lightning hooks --------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
@@ -179,32 +204,48 @@ class HivemindStrategy(SingleDeviceStrategy):
                 raise MisconfigurationException(
                     f"the checkpoint's optimizer state does not fit: {exc}"
                 ) from None
+        traffic.install()  # before hivemind starts its averager processes
         inner = self.optimizers[0]
         self.guard = StateGuard([p for group in inner.param_groups for p in group["params"]], inner)
-        factory = (
-            self.faults.grad_averager_factory(request_timeout=self.request_timeout)
-            if self.faults is not None
-            else partial(GradientAverager, request_timeout=self.request_timeout)
-        )
+        if self.faults is not None:
+            if self.compression.mode == "powersgd":
+                raise MisconfigurationException(
+                    "fault injection cannot be combined with powersgd compression"
+                )
+            factory = self.faults.grad_averager_factory(request_timeout=self.request_timeout)
+        else:
+            factory = self.compression.grad_averager_factory(
+                GradientAverager, request_timeout=self.request_timeout
+            )
+        if self.averaging == "diloco":
+            # hivemind's optimizer runs the outer SGD on the anchors; the module's optimizer stays local
+            self.diloco = DiLoCo(inner, **self._diloco_args, should_stop=lambda: self.leaving)
+            swarm_optimizer, extra_tensors = self.diloco.outer, self.diloco.extra_tensors
+        else:
+            swarm_optimizer, extra_tensors = inner, ()
         sigint = signal.getsignal(signal.SIGINT)  # hivemind's averagers set SIGINT to SIG_IGN in this process
         self.hivemind_opt = hivemind.Optimizer(
             dht=self.dht,
             run_id=self.run_id,
-            optimizer=self.optimizers[0],
+            optimizer=swarm_optimizer,
+            extra_tensors=extra_tensors,
             target_batch_size=self.target_batch_size,
             batch_size_per_step=self.batch_size,
             # hivemind passes averager_opts to the state averager only; the gradient averager needs the
             # same request_timeout, or matchmaking_time below 3 s risks deadlocks
             grad_averager_factory=factory,
+            **self.compression.optimizer_kwargs(),
             **self._optimizer_kwargs,
         )
+        if self.diloco is not None:
+            self.diloco.attach(self.hivemind_opt)
         if sigint is not None:
             signal.signal(signal.SIGINT, sigint)  # so that Ctrl-C still reaches this process
         for config in self.lr_scheduler_configs:
             if isinstance(config.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
                 raise MisconfigurationException("ReduceLROnPlateau is not supported by HivemindStrategy")
             config.scheduler = GlobalEpochScheduler(self.hivemind_opt, config.scheduler)  # type: ignore[assignment]
-        self.optimizers = [self.hivemind_opt]
+        self.optimizers = [self.hivemind_opt] if self.diloco is None else [inner]
         if self.resume_epoch:
             self._start_at_epoch(self.resume_epoch)
         self.guard.save(self.local_epoch)  # this peer's own (initial or resumed) state, as a fallback
@@ -213,7 +254,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             if self.guard.finite():
                 self.guard.save(self.local_epoch)
             else:
-                self.guard.restore()
+                self._restore_guarded()
                 log.error("The swarm's state is non-finite; starting from this peer's own parameters instead")
         if self.faults is not None:
             self.faults.start(self.local_epoch)
@@ -234,6 +275,10 @@ class HivemindStrategy(SingleDeviceStrategy):
         assert self.hivemind_opt is not None
         before = self.hivemind_opt.local_epoch
         self.hivemind_opt.load_state_from_peers()
+        if self.diloco is not None:
+            self.diloco.anchors_to_params()  # the swarm's anchor is where the next inner phase starts
+            if self.diloco.loaded is None:
+                self.diloco.loaded = self.diloco.state_norms()
         self.loaded_epoch = self.hivemind_opt.local_epoch
         if self.loaded_epoch != before or self.hivemind_opt.tracker.global_progress.num_peers > 1:
             log.info("Loaded the swarm's state from peers: global epoch %d", self.loaded_epoch)
@@ -261,12 +306,17 @@ class HivemindStrategy(SingleDeviceStrategy):
                 return result
             self._in_nonfinite_burst = False
             result = super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+        if self.diloco is not None:
+            self.diloco.after_inner_step(self.batch_size)  # the outer step, when due
         if self.local_epoch != epoch:
             self._after_global_step(module)
         if self.faults is not None and self.hivemind_opt is not None:
-            self.faults.on_local_step(
-                self.local_epoch, self.hivemind_opt.grad_averager.local_samples_accumulated
+            accumulated = (
+                self.diloco.samples
+                if self.diloco is not None
+                else self.hivemind_opt.grad_averager.local_samples_accumulated
             )
+            self.faults.on_local_step(self.local_epoch, accumulated)
         return result
 
     def _skip_nonfinite_step(self, module: torch.nn.Module) -> None:
@@ -293,7 +343,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             if self.guard.finite():
                 self.guard.save(self.local_epoch)
                 return
-            self.guard.restore()
+            self._restore_guarded()
         self.nonfinite_rollbacks += 1
         log.error(
             "The parameters are non-finite after global epoch %d; rolled back to the state of global epoch "
@@ -302,6 +352,13 @@ class HivemindStrategy(SingleDeviceStrategy):
             self.guard.epoch,
         )
         self._resync("after non-finite parameters")
+
+    def _restore_guarded(self) -> None:
+        """Back to the last finite state (in DiLoCo also as the anchor)."""
+        assert self.guard is not None
+        self.guard.restore()
+        if self.diloco is not None:
+            self.diloco.params_to_anchors()
 
     def _resync(self, why: str) -> None:
         """Load the swarm's newest state; keep (or restore) the last finite one if that state is bad."""
@@ -312,7 +369,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         if self.guard.finite():
             self.guard.save(self.local_epoch)
         else:
-            self.guard.restore()
+            self._restore_guarded()
             log.error(
                 "The state received from peers is non-finite too; keeping global epoch %s's", self.guard.epoch
             )

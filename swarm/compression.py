@@ -1,0 +1,120 @@
+"""``--compression none|fp16|int8|powersgd:<rank>``: how tensors travel between peers.
+
+One spec chooses the wire format of all three exchanges: the gradient all-reduce (DiLoCo's pseudo-gradients
+in ``--averaging diloco``), the parameter averaging rounds, and the state download of a newcomer.
+
+* ``none``: float32 everywhere.
+* ``fp16``: gradients and parameters as float16 (2 bytes per number).
+* ``int8``: gradients as 8-bit (hivemind's ``Uniform8BitQuantization``: 256 buckets over +-3 sigma, each
+  decoded to its bucket's mean; tensors under 65 537 numbers go as float16, as in hivemind's albert example),
+  parameters as float16. Parameters in 8 bits would lose the weights themselves, not a step's worth of them.
+* ``powersgd:<rank>``: gradients through hivemind's ``PowerSGDGradientAverager`` (each matrix sent as two
+  rank-r factors, with error feedback; vectors and matrices that do not shrink by half go whole), parameters
+  as float16.
+
+Optimizer statistics (AdamW's moments, the outer momentum) always travel as float32: AdamW's second moment
+is often below float16's smallest number (6e-8), would arrive as 0, and the next update would divide by eps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+MODES = ("none", "fp16", "int8", "powersgd:<rank>")
+INT8_MIN_SIZE = 2**16 + 1  # hivemind's albert example: smaller tensors are not worth quantizing
+
+
+def fix_hivemind_8bit_decoding() -> None:
+    """hivemind 1.1's 8-bit decoder calls ``int()`` on a one-element array, which NumPy >= 2.4 refuses
+    ("only 0-dimensional arrays can be converted to Python scalars"): every int8 round then fails half-way
+    ("received 50% of input tensors") and the peers go on with their local gradients. This installs the same
+    decoder with the one element taken explicitly. Idempotent; averagers forked afterwards inherit it."""
+    import numpy as np
+    import torch
+    from hivemind.compression import quantization
+
+    if getattr(quantization.Quantization.extract, "fixed_by_swarm", False):
+        return
+
+    def extract(self: Any, serialized_tensor: Any) -> torch.Tensor:
+        buffer = serialized_tensor.buffer
+        codebook_size = int(np.frombuffer(buffer, count=1, dtype=np.int64)[0])
+        codebook = np.frombuffer(buffer, offset=8, count=codebook_size, dtype=self.codebook_dtype)
+        quantized = np.frombuffer(buffer, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
+        quantized = torch.as_tensor(quantized, dtype=torch.int64).reshape(tuple(serialized_tensor.size))
+        codebook = torch.as_tensor(codebook).to(dtype=getattr(torch, serialized_tensor.dtype))
+        return codebook[quantized].requires_grad_(serialized_tensor.requires_grad)
+
+    extract.fixed_by_swarm = True  # type: ignore[attr-defined]
+    quantization.Quantization.extract = extract
+
+
+class CompressionError(ValueError):
+    """A --compression value that is not one of MODES."""
+
+
+@dataclass(frozen=True)
+class Compression:
+    spec: str
+    mode: str  # none | fp16 | int8 | powersgd
+    rank: int | None = None
+
+    def grad_compression(self) -> Any:
+        from hivemind.compression import (
+            Float16Compression,
+            NoCompression,
+            SizeAdaptiveCompression,
+            Uniform8BitQuantization,
+        )
+
+        if self.mode == "fp16":
+            return Float16Compression()
+        if self.mode == "int8":
+            fix_hivemind_8bit_decoding()
+            return SizeAdaptiveCompression(
+                threshold=INT8_MIN_SIZE, less=Float16Compression(), greater_equal=Uniform8BitQuantization()
+            )
+        return NoCompression()  # none; powersgd compresses by factorising, its factors go as float32
+
+    def state_compression(self) -> Any:
+        """Parameter averaging and the newcomer's download: parameters compressed, optimizer state not."""
+        from hivemind.compression import Float16Compression, NoCompression, RoleAdaptiveCompression
+
+        if self.mode == "none":
+            return NoCompression()
+        return RoleAdaptiveCompression(parameter=Float16Compression(), default=NoCompression())
+
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        """Arguments of ``hivemind.Optimizer`` (the gradient averager's factory aside)."""
+        state = self.state_compression()
+        return dict(
+            grad_compression=self.grad_compression(),
+            state_averaging_compression=state,
+            load_state_compression=state,
+        )
+
+    def grad_averager_factory(self, base: Any = None, **kwargs: Any) -> Any:
+        """hivemind's gradient averager for this mode (PowerSGD's own for ``powersgd``), or ``base``."""
+        if self.mode == "powersgd":
+            from hivemind.optim.power_sgd_averager import PowerSGDGradientAverager
+
+            return partial(PowerSGDGradientAverager, averager_rank=self.rank, **kwargs)
+        if base is None:
+            from hivemind.optim.grad_averager import GradientAverager as base
+        return partial(base, **kwargs)
+
+
+def parse_compression(spec: str) -> Compression:
+    text = str(spec).strip().lower()
+    if text in ("none", "fp16", "int8"):
+        return Compression(text, text)
+    if text.startswith("powersgd:"):
+        rank = text.split(":", 1)[1]
+        if rank.isdigit() and int(rank) >= 1:
+            return Compression(text, "powersgd", int(rank))
+    raise CompressionError(
+        f"compression must be one of {', '.join(MODES)} (a rank is an integer >= 1, e.g. powersgd:4), "
+        f"got {spec!r}"
+    )

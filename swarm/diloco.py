@@ -1,0 +1,152 @@
+"""DiLoCo (Douillard et al. 2023): many local steps, then one averaged outer step.
+
+Each peer trains its own copy of the model with the inner optimizer (AdamW) for ``local_steps`` steps.
+It then offers its *pseudo-gradient*, the anchor (the parameters after the last outer step) minus its
+current parameters, to the swarm. The peers average their pseudo-gradients (hivemind's gradient averager,
+with ``--compression``), and an outer Nesterov SGD (lr 0.7, momentum 0.9 by default, as in the paper) takes
+one step on the anchor with that average. Every peer that took part then starts from the same new anchor.
+
+The anchors and the outer SGD are what ``hivemind.Optimizer`` manages: its "parameters" are the anchors
+(float32, on the CPU), and its "gradients" are the pseudo-gradients. The inner AdamW's moments and step
+counts travel as hivemind's ``extra_tensors``, so a newcomer downloads the anchors, the outer momentum and
+the inner state in one go.
+
+A peer that finishes its local steps waits (as in the paper, synchronously) until the swarm as a whole has
+accumulated ``target_batch_size`` samples, or until hivemind's estimate of when that happens has passed
+(a peer that died is not waited for). If the swarm is ready before this peer has done its local steps, it
+joins the round early rather than miss it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    import hivemind
+
+log = logging.getLogger(__name__)
+INNER_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+
+def inner_state_tensors(inner: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The inner AdamW's state as a flat list of tensors, created (as zeros) where missing.
+
+    Created up front so that hivemind can share them with newcomers before the first step. The zeros are
+    what AdamW itself starts from; no virtual step is taken (a step with zero gradients would still apply
+    weight decay).
+    """
+    tensors = []
+    for group in inner.param_groups:
+        for p in group["params"]:
+            state = inner.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            missing = [k for k in INNER_KEYS if k not in state]
+            if missing:
+                raise ValueError(
+                    f"DiLoCo's inner optimizer must be AdamW or Adam (state {', '.join(INNER_KEYS)}); "
+                    f"{type(inner).__name__} has no {', '.join(missing)}"
+                )
+            tensors.extend(state[k] for k in INNER_KEYS)
+    return tensors
+
+
+def outer_optimizer(params: list[torch.Tensor], lr: float, momentum: float) -> torch.optim.SGD:
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+
+class DiLoCo:
+    """The inner/outer bookkeeping of one peer; ``HivemindStrategy`` calls it after every local step."""
+
+    def __init__(
+        self,
+        inner: torch.optim.Optimizer,
+        *,
+        local_steps: int,
+        outer_lr: float,
+        outer_momentum: float,
+        should_stop=lambda: False,
+    ) -> None:
+        self.inner, self.local_steps = inner, local_steps
+        self.params = [p for group in inner.param_groups for p in group["params"]]
+        # the anchors: float32 copies on the CPU, where hivemind's averagers live anyway
+        self.anchors = [
+            torch.nn.Parameter(p.detach().to("cpu", torch.float32, copy=True)) for p in self.params
+        ]
+        self.extra_tensors = inner_state_tensors(inner)
+        self.outer = outer_optimizer(self.anchors, outer_lr, outer_momentum)
+        self.should_stop = should_stop
+        self.steps = self.samples = 0  # since the last outer step
+        self.outer_steps = 0
+        self.waited = 0.0  # seconds spent waiting for the swarm, in total
+        self.loaded: dict[str, float] | None = None  # state_norms() right after the first download
+
+    def attach(self, opt: hivemind.Optimizer) -> None:
+        self.opt = opt
+
+    @torch.no_grad()
+    def anchors_to_params(self) -> None:
+        """Start the next inner phase from the (new) anchor."""
+        for p, a in zip(self.params, self.anchors, strict=True):
+            p.copy_(a.to(p.device, p.dtype))
+        self.steps = self.samples = 0
+
+    @torch.no_grad()
+    def params_to_anchors(self) -> None:
+        """This peer's own parameters become the anchor (before it joins, or after a rollback)."""
+        for p, a in zip(self.params, self.anchors, strict=True):
+            a.copy_(p.detach().to(a.device, a.dtype))
+
+    @torch.no_grad()
+    def state_norms(self) -> dict[str, float]:
+        """Sizes of the outer momentum and the inner AdamW state: zero until trained or downloaded."""
+        momentum = [self.outer.state[a].get("momentum_buffer") for a in self.anchors]
+        squares = self.extra_tensors[2 :: len(INNER_KEYS)]
+        return {
+            "outer_momentum_norm": float(
+                sum(float(m.double().pow(2).sum()) for m in momentum if m is not None)
+            )
+            ** 0.5,
+            "inner_exp_avg_sq_sum": float(sum(float(v.double().sum()) for v in squares)),
+            "inner_step": float(self.extra_tensors[0]),
+        }
+
+    def after_inner_step(self, batch_size: int) -> bool:
+        """Count one inner step; run the outer step when due. True if the global epoch advanced."""
+        opt = self.opt
+        self.steps += 1
+        self.samples += batch_size
+        opt.tracker.report_local_progress(opt.local_epoch, self.samples)
+        if self.steps < self.local_steps and not opt.tracker.ready_to_update_epoch:
+            return False
+        return self.outer_step()
+
+    def outer_step(self) -> bool:
+        opt = self.opt
+        epoch = opt.local_epoch
+        with torch.no_grad():
+            for p, a in zip(self.params, self.anchors, strict=True):
+                a.grad = a.detach() - p.detach().to(a.device, a.dtype)  # the pseudo-gradient
+        # hivemind accumulates the pseudo-gradient (weighted by this peer's samples), reports progress, and,
+        # once the swarm is ready, averages and steps the outer optimizer
+        opt.step(batch_size=max(self.samples, 1))
+        started = time.perf_counter()
+        while opt.local_epoch == epoch and not self.should_stop():
+            if opt.tracker.ready_to_update_epoch:
+                opt._update_global_epoch(None)  # what hivemind.Optimizer.step does once the swarm is ready
+                break
+            time.sleep(0.02)
+        self.waited += time.perf_counter() - started
+        for a in self.anchors:
+            a.grad = None
+        if opt.local_epoch == epoch:  # leaving: keep the inner progress, nothing was averaged
+            return False
+        self.outer_steps += 1
+        self.anchors_to_params()
+        return True

@@ -1,0 +1,194 @@
+"""Communication-efficient modes, for correctness (never speed): each --compression mode through a real
+averaging round of two gradient averagers on 127.0.0.1, and DiLoCo peers that end an outer step equal."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from swarm import traffic
+from swarm.compression import CompressionError, parse_compression
+from swarm.procs import remove_stale_sockets
+from tests.helpers import PeerProcess, read_summary
+
+
+def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+def _average_once(spec: str, grads: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """One real all-reduce of each peer's gradients with ``spec``'s averager and wire format."""
+    import hivemind
+
+    comp = parse_compression(spec)
+    traffic.install()
+    started = time.time()
+    dhts, averagers = [], []
+    try:
+        first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        dhts.append(first)
+        for _ in grads[1:]:
+            dhts.append(
+                hivemind.DHT(
+                    start=True,
+                    host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                    initial_peers=[str(a) for a in first.get_visible_maddrs()],
+                )
+            )
+        for dht, peer_grads in zip(dhts, grads, strict=True):
+            params = [torch.nn.Parameter(torch.zeros_like(g)) for g in peer_grads]
+            for p, g in zip(params, peer_grads, strict=True):
+                p.grad = g.clone()
+            factory = comp.grad_averager_factory(
+                dht=dht,
+                prefix=f"pytest-comm-{comp.mode}",
+                compression=comp.grad_compression(),
+                min_matchmaking_time=2.0,
+                request_timeout=1.5,
+                target_group_size=len(grads),
+                start=True,
+            )
+            averagers.append((factory(params), params))
+        for averager, _ in averagers:
+            averager.accumulate_grads_(batch_size=1)
+        results: list = [None] * len(averagers)
+        sent_before = traffic.bytes_sent()
+
+        def run(i: int) -> None:
+            results[i] = averagers[i][0].step(timeout=30)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(averagers))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert all(r is not None and len(r) == len(grads) for r in results), results
+        _average_once.bytes_sent = traffic.bytes_sent() - sent_before  # both peers' averagers, this process
+        out = []
+        for averager, params in averagers:
+            with averager.use_averaged_gradients():
+                out.append([p.grad.detach().clone() for p in params])
+        return out
+    finally:
+        for averager, _ in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+        remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
+
+
+def _gaussian(seed: int, rank: int | None = None) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    if rank is None:
+        matrix = torch.randn(512, 256, generator=g)  # 131 072 numbers: above the 8-bit threshold
+    else:
+        matrix = torch.randn(512, rank, generator=g) @ torch.randn(rank, 256, generator=g) / math.sqrt(rank)
+    return [matrix, torch.randn(256, generator=g)]
+
+
+@pytest.mark.parametrize(
+    ("spec", "low", "high", "wire_bytes"),
+    [
+        ("none", 0.0, 1e-6, 4),  # float32 throughout
+        ("fp16", 1e-5, 1e-3, 2),  # float16 keeps 11 bits: ~2.4e-4 relative per rounding, two roundings
+        ("int8", 1e-3, 2.5e-2, 1),  # 256 buckets over +-3 sigma, each decoded to its mean
+    ],
+)
+def test_compressed_averaging_stays_within_its_expected_error(spec, low, high, wire_bytes):
+    peers = [_gaussian(1), _gaussian(2)]
+    want = [(a + b) / 2 for a, b in zip(*peers, strict=True)]
+    averaged = _average_once(spec, peers)
+    # each of the 2 peers sends the half it does not reduce, and gets it back averaged: 2 x numbers in all
+    numbers = sum(t.numel() for t in peers[0])
+    per_number = _average_once.bytes_sent / (2 * numbers)
+    assert wire_bytes <= per_number <= wire_bytes * 1.15, (spec, per_number)
+    for got in averaged:
+        err = _rel_error(got[0], want[0])
+        # low > 0: the mode really changed what was sent (an uncompressed round would be exact)
+        assert low <= err <= high, (spec, err)
+        assert torch.allclose(got[1], want[1], rtol=0, atol=1e-2 if spec == "int8" else 1e-3)  # small: fp16
+
+
+def test_powersgd_is_exact_on_low_rank_gradients_and_lossy_on_full_rank_ones():
+    # gradients of rank 2 on each peer: their mean has rank <= 4, which a rank-4 factorisation holds exactly
+    peers = [_gaussian(1, rank=2), _gaussian(2, rank=2)]
+    want = [(a + b) / 2 for a, b in zip(*peers, strict=True)]
+    for got in _average_once("powersgd:4", peers):
+        assert _rel_error(got[0], want[0]) < 1e-4, _rel_error(got[0], want[0])
+        assert torch.allclose(got[1], want[1], atol=1e-6)  # vectors are averaged whole
+    # full-rank gradients lose most of their energy in one round (error feedback returns it later)
+    peers = [_gaussian(3), _gaussian(4)]
+    want = [(a + b) / 2 for a, b in zip(*peers, strict=True)]
+    for got in _average_once("powersgd:4", peers):
+        assert 0.5 < _rel_error(got[0], want[0]) < 1.0
+
+
+def test_compression_specs_are_checked():
+    assert parse_compression("powersgd:8").rank == 8
+    for bad in ("zip", "powersgd", "powersgd:0", "int4"):
+        with pytest.raises(CompressionError, match="none, fp16, int8, powersgd:<rank>"):
+            parse_compression(bad)
+
+
+def _diloco_peer(peers, name, run, tmp_path, *extra, seed):
+    args = [
+        "join",
+        "--config",
+        "demo",
+        "--run-id",
+        run,
+        "--log-dir",
+        str(tmp_path),
+        "--peer-name",
+        name,
+        "--seed",
+        str(seed),
+        "--threads",
+        "1",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "1000",
+        "--averaging",
+        "diloco",
+        "--local-steps",
+        "4",
+        "--target-batch-size",
+        "256",  # 2 peers x 4 local steps x 32
+        *extra,
+    ]
+    return PeerProcess(name, args, peers)
+
+
+def test_diloco_peers_end_each_outer_step_equal_and_a_newcomer_loads_inner_and_outer_state(peers, tmp_path):
+    run = "pytest-diloco"
+    entry = PeerProcess(
+        "entry",
+        ["bootstrap", "--config", "demo", "--run-id", run, "--log-dir", str(tmp_path)],
+        peers,
+    )
+    address = entry.join_address(timeout=120)
+    common = ("--max-epochs", "6", "--initial-peers", address)
+    first = _diloco_peer(peers, "first", run, tmp_path, *common, seed=1)
+    second = _diloco_peer(peers, "second", run, tmp_path, *common, seed=2)
+    second.wait_for(r"\| epoch [2-9] \| peers 2", timeout=180)
+    late = _diloco_peer(peers, "late", run, tmp_path, *common, seed=3)
+    for p in (first, second, late):
+        assert p.wait(timeout=300) == 0, f"{p.name}:\n{p.output()[-4000:]}"
+    a, b, c = (read_summary(tmp_path, run, n) for n in ("first", "second", "late"))
+    assert a["final_epoch"] == b["final_epoch"] == 6, (a["final_epoch"], b["final_epoch"])
+    # every outer step is the same averaged step on the same anchor: the peers end equal
+    assert a["checksums"]["6"] == pytest.approx(b["checksums"]["6"], rel=1e-6)
+    assert a["outer_steps"] >= 3 and b["outer_steps"] >= 3, (a["outer_steps"], b["outer_steps"])
+    # and they trained between outer steps: the anchor moved every epoch
+    assert a["checksums"]["6"] != pytest.approx(a["checksums"]["5"], rel=1e-6)
+    # the newcomer started from the swarm's anchor with the swarm's outer momentum and inner AdamW moments
+    loaded = c["diloco_loaded"]
+    assert (
+        c["loaded_epoch"] >= 2 and loaded["outer_momentum_norm"] > 0 and loaded["inner_exp_avg_sq_sum"] > 0
+    ), c
+    assert c["start_checksum"] == pytest.approx(a["checksums"][str(c["loaded_epoch"])], rel=2e-4)

@@ -94,6 +94,7 @@ def _summary(log_dir: Path, run: str, name: str) -> dict[str, Any]:
 # ---- comm --------------------------------------------------------------------------------------------
 def comm(bench: Bench, samples: int, local_steps: int, batch: int = 32) -> None:
     """Two peers per mode, ``samples`` training samples in all (both peers together)."""
+    began = time.time()
     for mode in COMM_MODES:
         diloco = mode == "diloco"
         # gradients: a global epoch every 128 samples (the demo's target); DiLoCo: 2 peers x H x batch
@@ -151,7 +152,7 @@ def comm(bench: Bench, samples: int, local_steps: int, batch: int = 32) -> None:
             }
         )
         print(_comm_line(bench.rows[-1]), flush=True)
-    remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
+    remove_stale_sockets(since=began, exclude_own=True, settle=3.0)
 
 
 def _comm_line(r: dict[str, Any]) -> str:

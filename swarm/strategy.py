@@ -36,6 +36,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from swarm import traffic
 from swarm.compression import parse_compression
+from swarm.config import AVERAGING
 from swarm.dht import stop_dht
 from swarm.diloco import DiLoCo
 from swarm.guard import StateGuard, all_finite
@@ -148,8 +149,10 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.nonfinite_rollbacks = 0  # global epochs after which the parameters were non-finite
         self.resyncs = 0  # state downloads after a fault
         self.faults, self.guard = faults, None
-        if averaging not in ("gradients", "diloco"):
-            raise MisconfigurationException(f"averaging must be 'gradients' or 'diloco', got {averaging!r}")
+        if averaging not in AVERAGING:
+            raise MisconfigurationException(
+                f"averaging must be one of {', '.join(AVERAGING)}, got {averaging!r}"
+            )
         self.compression = parse_compression(compression)
         self.averaging = averaging
         self._diloco_args = dict(local_steps=local_steps, outer_lr=outer_lr, outer_momentum=outer_momentum)

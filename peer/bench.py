@@ -6,6 +6,10 @@ the date, the machine and the raw figures, so that a later run can be compared w
 * ``comm``: for each --compression mode and for DiLoCo, two real peers (``swarm-peer join``) train the demo
   model for the same number of samples. Bytes sent are the averagers' own counters (swarm/traffic.py), per
   averaging round (global epoch) and per training sample; validation accuracy is each peer's final one.
+* ``scaling``: K swarm peers, K-rank DDP (gloo) and one process, with the demo model, the same per-worker
+  batch and 16 per-step batches per global epoch; then K DiLoCo peers. Samples/s for each and the ratios.
+* ``parity``: a 2-peer swarm with target batch B against one process with batch B, for the same samples.
+* ``step`` (CUDA only): samples/s and model FLOPs utilisation of the ViT-B/32 training step, 224x224, bf16.
 * ``join``: a newcomer downloads the state (parameters and AdamW moments) of ``vit_base_patch32_224`` from a
   peer in another process, against reading the same state from a local checkpoint (the limit).
 
@@ -28,7 +32,7 @@ from typing import Any
 
 from swarm.procs import remove_stale_sockets, start_group, stop_group
 
-SCENARIOS = ("comm", "join")
+SCENARIOS = ("scaling", "comm", "join", "parity", "step")
 COMM_MODES = ("none", "fp16", "int8", "powersgd:4", "diloco")
 JOIN_RE = re.compile(r"swarm-peer join --initial-peers (\S+)")
 
@@ -89,6 +93,339 @@ class Peer:
 
 def _summary(log_dir: Path, run: str, name: str) -> dict[str, Any]:
     return json.loads((log_dir / run / "volunteer" / name / "summary.json").read_text())
+
+
+def _swarm(
+    bench: Bench, run: str, peers: int, args: list[str], timeout: float = 1800
+) -> list[dict[str, Any]]:
+    """A bootstrap peer and ``peers`` training peers (``swarm-peer join`` with ``args``); their summaries.
+
+    Starting through a bootstrap (a DHT node that does not train) means no trainer runs ahead alone while
+    the others start."""
+    common = ["--config", "demo", "--run-id", run, "--log-dir", str(bench.work)]
+    boot = Peer(f"{run}-bootstrap", ["bootstrap", *common], bench.work)
+    started = [boot]
+    try:
+        address = boot.join_address(timeout=120)
+        for i in range(peers):
+            name = f"p{i + 1}"
+            started.append(
+                Peer(
+                    f"{run}-{name}",
+                    [
+                        "join",
+                        *common,
+                        "--initial-peers",
+                        address,
+                        "--peer-name",
+                        name,
+                        "--seed",
+                        str(i + 1),
+                        "--threads",
+                        "1",
+                        "--eval-every",
+                        "100000",
+                        "--log-every",
+                        "10",
+                        *args,
+                    ],
+                    bench.work,
+                )  # fmt: skip
+            )
+        codes = [p.wait(timeout=timeout) for p in started[1:]]
+    finally:
+        for p in started:
+            p.stop()
+    if any(codes):
+        raise RuntimeError(f"{run}: a peer failed (exit codes {codes}); logs in {bench.work}")
+    return [_summary(bench.work, run, f"p{i + 1}") for i in range(peers)]
+
+
+def _local(bench: Bench, run: str, strategy: str, devices: int, args: list[str]) -> dict[str, Any]:
+    """``swarm-peer local`` (Lightning; gloo on the CPU) in its own process group; its summary."""
+    log_dir = bench.work / "local"
+    proc = Peer(
+        f"{run}-{strategy}",
+        ["local", "--config", "demo", "--run-id", run, "--log-dir", str(log_dir), "--strategy", strategy,
+         "--devices", str(devices), "--device", "cpu", "--threads", "1", "--eval-every", "100000", *args],
+        bench.work,
+    )  # fmt: skip
+    code = proc.wait(timeout=1800)
+    if code:
+        raise RuntimeError(f"local {strategy}: exit code {code}; see {proc.log_path}")
+    found = sorted((log_dir / run).glob(f"{strategy}*/summary.json"), key=lambda p: p.stat().st_mtime)
+    return json.loads(found[-1].read_text())
+
+
+def _peer_rate(s: dict[str, Any]) -> float:
+    """A peer's samples/s over its training windows (validation excluded, averaging waits included)."""
+    done = [h for h in s["history"] if h["mini_steps"] and h["samples_per_second"]]
+    return sum(h["samples"] for h in done) / max(
+        sum(h["samples"] / h["samples_per_second"] for h in done), 1e-9
+    )
+
+
+def _rounds(s: dict[str, Any]) -> int:
+    return max(s["final_epoch"] - (s.get("loaded_epoch") or 0), 1)
+
+
+# ---- scaling -----------------------------------------------------------------------------------------
+def scaling(bench: Bench, peers: int, local_steps: int, batch: int = 32, per_round: int = 16) -> None:
+    """K peers vs K-rank DDP vs one process: the demo model, ``batch`` per worker, ``per_round`` per-step
+    batches per global epoch (so that each worker computes per_round / K steps between two averagings)."""
+    target = per_round * batch
+    rounds = 12
+    stamp = int(time.time())
+    shared = ["--batch-size", str(batch), "--target-batch-size", str(target), "--max-epochs", str(rounds)]
+    single = _local(bench, f"bench-scaling-{stamp}", "single", 1, shared)
+    ddp = _local(bench, f"bench-scaling-{stamp}", "ddp", peers, shared)
+    swarm = _swarm(bench, f"bench-scaling-swarm-{stamp}", peers, shared)
+    diloco_target = peers * local_steps * batch
+    diloco_rounds = 3
+    diloco = _swarm(
+        bench,
+        f"bench-scaling-diloco-{stamp}",
+        peers,
+        ["--batch-size", str(batch), "--target-batch-size", str(diloco_target), "--max-epochs",
+         str(diloco_rounds), "--averaging", "diloco", "--local-steps", str(local_steps)],
+    )  # fmt: skip
+    single_sps, ddp_sps = single["samples_per_second"], ddp["samples_per_second"]
+    for name, sums, tgt in (("swarm", swarm, target), ("diloco", diloco, diloco_target)):
+        sps = sum(_peer_rate(s) for s in sums)
+        rounds_done = max(_rounds(s) for s in sums)
+        train = sum(s["train_seconds"] for s in sums) / len(sums)
+        ends = sum(s["round_end_seconds"] for s in sums) / len(sums)
+        bench.record(
+            {
+                "scenario": "scaling",
+                "mode": name,
+                "workers": peers,
+                "batch_per_worker": batch,
+                "target_batch_size": tgt,
+                "local_steps": local_steps if name == "diloco" else None,
+                "global_epochs": rounds_done,
+                "samples_per_second": round(sps, 1),
+                "samples_per_second_per_peer": [round(_peer_rate(s), 1) for s in sums],
+                "ddp_samples_per_second": round(ddp_sps, 1),
+                "single_samples_per_second": round(single_sps, 1),
+                "vs_ddp": round(sps / ddp_sps, 3),
+                "vs_k_single": round(sps / (peers * single_sps), 3),
+                "ddp_vs_k_single": round(ddp_sps / (peers * single_sps), 3),
+                # per global epoch and peer: the steps that ended a round (waiting for the swarm, matchmaking,
+                # all-reduce, update) against all the rest (forward, backward, local optimizer steps)
+                "seconds_per_round": round(train / rounds_done, 3),
+                "round_end_seconds_per_round": round(ends / rounds_done, 3),
+                "single_seconds_per_round": round(target / single_sps, 3) if name == "swarm" else None,
+            }
+        )
+        print(_scaling_line(bench.rows[-1]), flush=True)
+
+
+def _scaling_line(r: dict[str, Any]) -> str:
+    return (
+        f"scaling {r['mode']:>6} x{r['workers']}: {r['samples_per_second']:.1f} samples/s; DDP "
+        f"{r['ddp_samples_per_second']:.1f}, one process {r['single_samples_per_second']:.1f}; "
+        f"vs DDP {r['vs_ddp']:.2f}x, vs {r['workers']} x single {r['vs_k_single']:.2f}x; per round "
+        f"{r['seconds_per_round']:.2f} s of which {r['round_end_seconds_per_round']:.2f} s ending it"
+    )
+
+
+def scaling_table(rows: list[dict[str, Any]]) -> str:
+    rows = [r for r in rows if r["scenario"] == "scaling"]
+    if not rows:
+        return ""
+    lines = [
+        "| mode | workers | target batch | samples/s | DDP samples/s | one process samples/s | vs DDP | "
+        "vs K x one | s per round | of which ending the round |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        name = f"diloco H={r['local_steps']}" if r["mode"] == "diloco" else r["mode"]
+        lines.append(
+            f"| {name} | {r['workers']} | {r['target_batch_size']} | {r['samples_per_second']} | "
+            f"{r['ddp_samples_per_second']} | {r['single_samples_per_second']} | {r['vs_ddp']:.2f} | "
+            f"{r['vs_k_single']:.2f} | {r['seconds_per_round']:.2f} | "
+            f"{r['round_end_seconds_per_round']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+# ---- parity ------------------------------------------------------------------------------------------
+def parity(bench: Bench, samples: int, target: int = 128, batch: int = 32) -> None:
+    """Two peers with target batch B (``batch`` per step each) against one process with batch B, for the
+    same number of samples; validation accuracy of the final parameters on the whole validation set."""
+    epochs = max(2, samples // target)
+    stamp = int(time.time())
+    shared = ["--target-batch-size", str(target), "--max-epochs", str(epochs)]
+    swarm = _swarm(bench, f"bench-parity-swarm-{stamp}", 2, ["--batch-size", str(batch), *shared])
+    single = _local(bench, f"bench-parity-{stamp}", "single", 1, ["--batch-size", str(target), *shared])
+    accs = [s["final_val"]["acc"] for s in swarm if s.get("final_val")]
+    curve = single.get("val_curve") or []
+    single_acc = curve[-1][2] if curve else None
+    bench.record(
+        {
+            "scenario": "parity",
+            "target_batch_size": target,
+            "swarm_batch_per_step": batch,
+            "global_epochs": epochs,
+            "samples": epochs * target,
+            "swarm_val_acc": sum(accs) / len(accs) if accs else None,
+            "swarm_val_acc_per_peer": accs,
+            "swarm_final_epochs": [s["final_epoch"] for s in swarm],
+            "single_val_acc": single_acc,
+            "single_global_epochs": single.get("global_epochs"),
+        }
+    )
+    r = bench.rows[-1]
+    print(
+        f"parity: {r['samples']} samples in {epochs} global epochs of {target}; 2-peer swarm val acc "
+        f"{_fmt(r['swarm_val_acc'])}, one process (batch {target}) {_fmt(single_acc)}",
+        flush=True,
+    )
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def parity_table(rows: list[dict[str, Any]]) -> str:
+    rows = [r for r in rows if r["scenario"] == "parity"]
+    lines = [
+        "| target batch B | samples | 2-peer swarm val acc | one process (batch B) val acc | difference |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        diff = (
+            f"{100 * (r['swarm_val_acc'] - r['single_val_acc']):+.1f} points"
+            if r["swarm_val_acc"] is not None and r["single_val_acc"] is not None
+            else "-"
+        )
+        lines.append(
+            f"| {r['target_batch_size']} | {r['samples']} | {_fmt(r['swarm_val_acc'])} | "
+            f"{_fmt(r['single_val_acc'])} | {diff} |"
+        )
+    return "\n".join(lines) if rows else ""
+
+
+# ---- step -------------------------------------------------------------------------------------------
+# dense bf16 tensor-core peaks (FLOP/s), by a word in torch.cuda.get_device_name(); --peak-tflops overrides
+PEAK_BF16 = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12), ("L4", 121e12))
+
+
+def peak_flops(device_name: str) -> float | None:
+    return next((peak for word, peak in PEAK_BF16 if word in device_name), None)
+
+
+def measure_step(
+    model_name: str,
+    batch: int,
+    steps: int,
+    warmup: int,
+    device: str,
+    img_size: int = 224,
+    **model_kwargs: Any,
+) -> dict[str, Any]:
+    """Train ``model_name`` on CIFAR-sized uint8 images kept on ``device`` and resized there (bilinear) to
+    ``img_size``, in bf16 autocast with AdamW: samples/s over ``steps`` after ``warmup``, and the FLOPs of one
+    step as torch's FLOP counter counts them (forward and backward; the optimizer's are not counted)."""
+    import timm
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    model = timm.create_model(model_name, num_classes=10, img_size=img_size, **model_kwargs).to(device)
+    cuda = device.startswith("cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+    images = torch.randint(0, 256, (max(batch * 4, 1024), 3, 32, 32), dtype=torch.uint8, device=device)
+    labels = torch.randint(0, 10, (images.shape[0],), device=device)
+    mean = torch.tensor([0.4914, 0.4822, 0.4465], device=device).view(1, 3, 1, 1)
+    std = torch.tensor([0.2470, 0.2435, 0.2616], device=device).view(1, 3, 1, 1)
+
+    def forward_backward(i: int) -> None:
+        idx = torch.randint(0, images.shape[0], (batch,), device=device)
+        x = (images[idx].float() / 255 - mean) / std
+        x = F.interpolate(x, size=(img_size, img_size), mode="bilinear", align_corners=False)
+        with torch.autocast(device_type="cuda" if cuda else "cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), labels[idx])
+        loss.backward()
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    with FlopCounterMode(display=False) as counter:
+        forward_backward(0)
+    flops_per_step = counter.get_total_flops()
+    optimizer.zero_grad(set_to_none=True)
+    for i in range(warmup):
+        forward_backward(i)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    began = time.perf_counter()
+    for i in range(steps):
+        forward_backward(i)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    sync()
+    seconds = time.perf_counter() - began
+    return {
+        "model": model_name,
+        "img_size": img_size,
+        "batch": batch,
+        "steps": steps,
+        "seconds": round(seconds, 3),
+        "samples_per_second": round(batch * steps / seconds, 1),
+        "flops_per_sample": flops_per_step / batch,
+        "achieved_tflops": round(flops_per_step * steps / seconds / 1e12, 2),
+        "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+    }
+
+
+def step(bench: Bench, batch: int, peak_tflops: float | None, steps: int = 50, warmup: int = 10) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("step: skipped, no CUDA GPU here (it measures the bf16 ViT-B/32 step on a GPU)", flush=True)
+        return
+    name = torch.cuda.get_device_name(0)
+    peak = peak_tflops * 1e12 if peak_tflops else peak_flops(name)
+    r = measure_step("vit_base_patch32_224", batch, steps, warmup, "cuda")
+    mfu = r["achieved_tflops"] * 1e12 / peak if peak else None
+    bench.record(
+        {
+            "scenario": "step",
+            "gpu": name,
+            "precision": "bf16-mixed",
+            **r,
+            "peak_tflops": peak / 1e12 if peak else None,
+            "mfu": round(mfu, 3) if mfu else None,
+        }
+    )
+    print(
+        f"step {r['model']} bf16 at {r['img_size']}px, batch {batch} on {name}: "
+        f"{r['samples_per_second']:.0f} samples/s, {r['achieved_tflops']:.0f} TFLOP/s, MFU {_fmt(mfu)}"
+        + ("" if peak else " (unknown peak: give --peak-tflops)"),
+        flush=True,
+    )
+
+
+def step_table(rows: list[dict[str, Any]]) -> str:
+    rows = [r for r in rows if r["scenario"] == "step"]
+    lines = [
+        "| GPU | model | batch | samples/s | TFLOP/s | MFU | peak memory |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['gpu']} | {r['model']} {r['img_size']}px bf16 | {r['batch']} | "
+            f"{r['samples_per_second']} | "
+            f"{r['achieved_tflops']} | {_fmt(r['mfu'])} | {r['peak_memory_gb']} GB |"
+        )
+    return "\n".join(lines) if rows else ""
 
 
 # ---- comm --------------------------------------------------------------------------------------------
@@ -312,16 +649,38 @@ def join_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) if rows else ""
 
 
-def run_bench(scenarios: list[str], out: Path, work: Path, samples: int, local_steps: int) -> Bench:
+def run_bench(
+    scenarios: list[str],
+    out: Path,
+    work: Path,
+    samples: int,
+    local_steps: int,
+    peers: int = 2,
+    step_batch: int = 256,
+    peak_tflops: float | None = None,
+) -> Bench:
     bench = Bench(out=out, work=work)
     work.mkdir(parents=True, exist_ok=True)
-    for name in scenarios:
-        if name == "comm":
-            comm(bench, samples=samples, local_steps=local_steps)
-        elif name == "join":
-            join(bench)
+    began = time.time()
+    try:
+        for name in scenarios:
+            t0 = time.time()
+            if name == "scaling":
+                scaling(bench, peers=peers, local_steps=local_steps)
+            elif name == "comm":
+                comm(bench, samples=samples, local_steps=local_steps)
+            elif name == "join":
+                join(bench)
+            elif name == "parity":
+                parity(bench, samples=samples)
+            elif name == "step":
+                step(bench, batch=step_batch, peak_tflops=peak_tflops)
+            print(f"({name}: {time.time() - t0:.0f} s)", flush=True)
+    finally:
+        remove_stale_sockets(since=began, exclude_own=True, settle=3.0)
     print()
-    for table in (comm_table(bench.rows), join_table(bench.rows)):
+    tables = (scaling_table, comm_table, join_table, parity_table, step_table)
+    for table in (t(bench.rows) for t in tables):
         if table:
             print(table + "\n")
     print(f"JSON lines appended to {out}")

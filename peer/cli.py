@@ -7,7 +7,9 @@ says what to fix, never in a traceback.
 
 from __future__ import annotations
 
+import faulthandler
 import functools
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -211,6 +213,11 @@ def _config_from(params: dict[str, Any]):
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 def main() -> None:
     """Train a vision transformer on volunteer machines with hivemind, or on a cluster with DDP/FSDP."""
+    # `kill -USR1 <pid>` prints every thread's stack (also in forked averager processes) for a stuck peer
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (AttributeError, OSError, ValueError):  # no SIGUSR1 (Windows), or a stderr without a file
+        pass
 
 
 @main.command()
@@ -467,7 +474,7 @@ if __name__ == "__main__":
 @click.option(
     "--scenario",
     "scenarios",
-    type=click.Choice(["all", "comm", "join"]),
+    type=click.Choice(["all", "scaling", "comm", "join", "parity", "step"]),
     multiple=True,
     default=("all",),
     show_default=True,
@@ -476,21 +483,49 @@ if __name__ == "__main__":
 @click.option("--out", default="runs/bench.jsonl", show_default=True, help="JSON lines are appended here.")
 @click.option("--work-dir", default="runs/bench", show_default=True, help="Peers' logs and runs.")
 @click.option(
-    "--samples", type=click.IntRange(256), default=6400, show_default=True, help="comm: samples per mode."
+    "--samples",
+    type=click.IntRange(256),
+    default=6400,
+    show_default=True,
+    help="comm: samples per mode; parity: samples per run.",
 )
 @click.option(
-    "--local-steps", type=click.IntRange(1), default=50, show_default=True, help="comm: DiLoCo's H."
+    "--local-steps", type=click.IntRange(1), default=50, show_default=True, help="scaling, comm: DiLoCo's H."
+)
+@click.option("--peers", type=click.IntRange(2), default=2, show_default=True, help="scaling: K workers.")
+@click.option("--step-batch", type=click.IntRange(1), default=256, show_default=True, help="step: batch.")
+@click.option(
+    "--peak-tflops", type=float, default=None, help="step: the GPU's dense bf16 peak, if not known."
 )
 @_fail_cleanly
-def bench(scenarios: tuple[str, ...], out: str, work_dir: str, samples: int, local_steps: int) -> None:
-    """Measure the swarm on 127.0.0.1: bytes and accuracy per compression mode, and a newcomer's join time.
+def bench(
+    scenarios: tuple[str, ...],
+    out: str,
+    work_dir: str,
+    samples: int,
+    local_steps: int,
+    peers: int,
+    step_batch: int,
+    peak_tflops: float | None,
+) -> None:
+    """Measure on 127.0.0.1: swarm vs DDP scaling, bytes and accuracy per compression mode, a newcomer's join
+    time, swarm vs one process at equal batch, and the GPU training step.
 
     Prints a table and appends JSON lines to --out; see the README's "Performance" section.
     """
     from peer.bench import SCENARIOS, run_bench
 
     chosen = list(SCENARIOS) if "all" in scenarios else list(dict.fromkeys(scenarios))
-    run_bench(chosen, Path(out), Path(work_dir), samples=samples, local_steps=local_steps)
+    run_bench(
+        chosen,
+        Path(out),
+        Path(work_dir),
+        samples=samples,
+        local_steps=local_steps,
+        peers=peers,
+        step_batch=step_batch,
+        peak_tflops=peak_tflops,
+    )
 
 
 @main.command("bench-donor", hidden=True)

@@ -246,6 +246,11 @@ class SwarmReporter(L.Callback):
             "nonfinite_rollbacks": self.strategy.nonfinite_rollbacks,
             "resyncs": self.strategy.resyncs,
             "bytes_sent": self.strategy.bytes_sent,
+            # where the time went: windows exclude validation; round ends are the steps that closed an epoch
+            "train_seconds": sum(
+                h["samples"] / h["samples_per_second"] for h in done if h["samples_per_second"]
+            ),
+            "round_end_seconds": self.strategy.round_end_seconds,
             **self._diloco_summary(),
             "seconds": time.time() - self.started if hasattr(self, "started") else 0.0,
         }

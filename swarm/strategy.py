@@ -25,6 +25,7 @@ import logging
 import math
 import signal
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -148,6 +149,9 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.skipped_nonfinite_steps = 0
         self.nonfinite_rollbacks = 0  # global epochs after which the parameters were non-finite
         self.resyncs = 0  # state downloads after a fault
+        # wall time of the optimizer steps that ended a global epoch: waiting for the other peers' samples,
+        # matchmaking, the all-reduce and the update (the part of a round that is not this peer's compute)
+        self.round_end_seconds = 0.0
         self.faults, self.guard = faults, None
         if averaging not in AVERAGING:
             raise MisconfigurationException(
@@ -299,9 +303,11 @@ class HivemindStrategy(SingleDeviceStrategy):
         epoch = self.local_epoch
         plugin = self.precision_plugin
         if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            began = time.perf_counter()  # here the step includes the closure (forward and backward)
             result = super().optimizer_step(optimizer, closure, model, **kwargs)  # the scaler skips inf steps
         else:
             result = closure()
+            began = time.perf_counter()
             if self.faults is not None:
                 self.faults.corrupt_gradients(module, epoch)
             if not grads_are_finite(module):
@@ -312,6 +318,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         if self.diloco is not None:
             self.diloco.after_inner_step(self.batch_size)  # the outer step, when due
         if self.local_epoch != epoch:
+            self.round_end_seconds += time.perf_counter() - began
             self._after_global_step(module)
         if self.faults is not None and self.hivemind_opt is not None:
             accumulated = (

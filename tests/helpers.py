@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import signal
 import subprocess
@@ -95,8 +96,25 @@ class PeerProcess:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             raise AssertionError(
-                f"{self.name} did not finish within {timeout}s; output:\n" + self.output()[-6000:]
+                f"{self.name} did not finish within {timeout}s; output:\n"
+                + self.output()[-6000:]
+                + "\n--- stacks (SIGUSR1) ---\n"
+                + self.stacks()
             ) from None
+
+    def stacks(self, settle: float = 3.0) -> str:
+        """Every thread's stack in every process of the group (the CLI registers faulthandler on SIGUSR1)."""
+        before = len(self.lines)
+        for pid in group_members(self.pgid):
+            try:
+                if b"p2pd" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    continue  # Go's p2p daemon would exit on SIGUSR1
+                os.kill(pid, signal.SIGUSR1)
+                time.sleep(0.5)  # one process at a time, so that the dumps do not interleave
+            except (ProcessLookupError, FileNotFoundError):
+                pass
+        time.sleep(settle)
+        return "\n".join(self.lines[before:])[:30000]
 
     def wait_gone(self, timeout: float = 30) -> int:
         """Wait until the leader and every process of its group have exited; returns the leader's code.

@@ -4,8 +4,9 @@ Every scenario prints a table and appends one JSON object per measurement to ``-
 the date, the machine and the raw figures, so that a later run can be compared with this one.
 
 * ``comm``: for each --compression mode and for DiLoCo, two real peers (``swarm-peer join``) train the demo
-  model for the same number of samples. Bytes sent are the averagers' own counters (swarm/traffic.py), per
-  averaging round (global epoch) and per training sample; validation accuracy is each peer's final one.
+  model for the same number of samples, with the state (parameters) averaged every 10th global epoch. Bytes
+  sent are the averagers' own counters (swarm/traffic.py), per averaging round (global epoch) and per
+  training sample, and apart for gradient and state rounds; validation accuracy is each peer's final one.
 * ``scaling``: K swarm peers, K-rank DDP (gloo) and one process, with the demo model, the same per-worker
   batch and 16 per-step batches per global epoch; then K DiLoCo peers. Samples/s for each and the ratios.
 * ``parity``: a 2-peer swarm with target batch B against one process with batch B, for the same samples.
@@ -22,6 +23,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,7 +35,8 @@ from typing import Any
 from swarm.procs import remove_stale_sockets, start_group, stop_group
 
 SCENARIOS = ("scaling", "comm", "join", "parity", "step")
-COMM_MODES = ("none", "fp16", "int8", "powersgd:4", "diloco")
+COMM_MODES = ("none", "fp16", "int8", "powersgd:4", "diloco", "diloco+int8")
+STATE_EVERY = 10  # comm: every mode averages the parameters (state) every 10th global epoch
 JOIN_RE = re.compile(r"swarm-peer join --initial-peers (\S+)")
 
 
@@ -60,10 +63,10 @@ class Bench:
 
 # ---- peers as subprocesses -----------------------------------------------------------------------------
 class Peer:
-    def __init__(self, name: str, args: list[str], log_dir: Path) -> None:
+    def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.log = (log_dir / f"{name}.log").open("w")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = start_group(
             [sys.executable, "-m", "peer", *args], stdout=self.log, stderr=subprocess.STDOUT, env=env
         )
@@ -96,9 +99,10 @@ def _summary(log_dir: Path, run: str, name: str) -> dict[str, Any]:
 
 
 def _swarm(
-    bench: Bench, run: str, peers: int, args: list[str], timeout: float = 1800
+    bench: Bench, run: str, peers: int, args: list[str], env: dict[str, str] | None = None
 ) -> list[dict[str, Any]]:
-    """A bootstrap peer and ``peers`` training peers (``swarm-peer join`` with ``args``); their summaries.
+    """A bootstrap peer and ``peers`` training peers (``swarm-peer join`` with ``args``, and config fields
+    from ``env`` as SWARM_<FIELD> variables); their summaries.
 
     Starting through a bootstrap (a DHT node that does not train) means no trainer runs ahead alone while
     the others start."""
@@ -130,9 +134,10 @@ def _swarm(
                         *args,
                     ],
                     bench.work,
+                    env,
                 )  # fmt: skip
             )
-        codes = [p.wait(timeout=timeout) for p in started[1:]]
+        codes = [p.wait(timeout=1800) for p in started[1:]]
     finally:
         for p in started:
             p.stop()
@@ -180,6 +185,10 @@ def scaling(bench: Bench, peers: int, local_steps: int, batch: int = 32, per_rou
     single = _local(bench, f"bench-scaling-{stamp}", "single", 1, shared)
     ddp = _local(bench, f"bench-scaling-{stamp}", "ddp", peers, shared)
     swarm = _swarm(bench, f"bench-scaling-swarm-{stamp}", peers, shared)
+    # the same, with the parameters averaged every 10th global epoch instead of every one (the demo's)
+    sparse = _swarm(
+        bench, f"bench-scaling-swarm10-{stamp}", peers, shared, {"SWARM_AVERAGE_STATE_EVERY": "10"}
+    )
     diloco_target = peers * local_steps * batch
     diloco_rounds = 3
     diloco = _swarm(
@@ -190,7 +199,8 @@ def scaling(bench: Bench, peers: int, local_steps: int, batch: int = 32, per_rou
          str(diloco_rounds), "--averaging", "diloco", "--local-steps", str(local_steps)],
     )  # fmt: skip
     single_sps, ddp_sps = single["samples_per_second"], ddp["samples_per_second"]
-    for name, sums, tgt in (("swarm", swarm, target), ("diloco", diloco, diloco_target)):
+    runs = (("swarm", swarm, target), ("swarm-state10", sparse, target), ("diloco", diloco, diloco_target))
+    for name, sums, tgt in runs:
         sps = sum(_peer_rate(s) for s in sums)
         rounds_done = max(_rounds(s) for s in sums)
         train = sum(s["train_seconds"] for s in sums) / len(sums)
@@ -215,7 +225,14 @@ def scaling(bench: Bench, peers: int, local_steps: int, batch: int = 32, per_rou
                 # all-reduce, update) against all the rest (forward, backward, local optimizer steps)
                 "seconds_per_round": round(train / rounds_done, 3),
                 "round_end_seconds_per_round": round(ends / rounds_done, 3),
-                "single_seconds_per_round": round(target / single_sps, 3) if name == "swarm" else None,
+                "single_seconds_per_round": round(tgt / single_sps, 3),
+                "average_state_every": 10 if name == "swarm-state10" else 1,
+                "diloco_waiting_seconds_per_round": round(
+                    sum(s.get("seconds_waiting_for_the_swarm", 0.0) for s in sums) / len(sums) / rounds_done,
+                    3,
+                )
+                if name == "diloco"
+                else None,
             }
         )
         print(_scaling_line(bench.rows[-1]), flush=True)
@@ -223,7 +240,7 @@ def scaling(bench: Bench, peers: int, local_steps: int, batch: int = 32, per_rou
 
 def _scaling_line(r: dict[str, Any]) -> str:
     return (
-        f"scaling {r['mode']:>6} x{r['workers']}: {r['samples_per_second']:.1f} samples/s; DDP "
+        f"scaling {r['mode']:>13} x{r['workers']}: {r['samples_per_second']:.1f} samples/s; DDP "
         f"{r['ddp_samples_per_second']:.1f}, one process {r['single_samples_per_second']:.1f}; "
         f"vs DDP {r['vs_ddp']:.2f}x, vs {r['workers']} x single {r['vs_k_single']:.2f}x; per round "
         f"{r['seconds_per_round']:.2f} s of which {r['round_end_seconds_per_round']:.2f} s ending it"
@@ -240,7 +257,10 @@ def scaling_table(rows: list[dict[str, Any]]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        name = f"diloco H={r['local_steps']}" if r["mode"] == "diloco" else r["mode"]
+        name = {
+            "diloco": f"diloco H={r['local_steps']}",
+            "swarm-state10": "swarm, parameters averaged every 10th epoch",
+        }.get(r["mode"], r["mode"])
         lines.append(
             f"| {name} | {r['workers']} | {r['target_batch_size']} | {r['samples_per_second']} | "
             f"{r['ddp_samples_per_second']} | {r['single_samples_per_second']} | {r['vs_ddp']:.2f} | "
@@ -433,41 +453,35 @@ def comm(bench: Bench, samples: int, local_steps: int, batch: int = 32) -> None:
     """Two peers per mode, ``samples`` training samples in all (both peers together)."""
     began = time.time()
     for mode in COMM_MODES:
-        diloco = mode == "diloco"
+        diloco = mode.startswith("diloco")
         # gradients: a global epoch every 128 samples (the demo's target); DiLoCo: 2 peers x H x batch
         target = 2 * local_steps * batch if diloco else 128
         epochs = max(2, samples // target)
-        run = f"bench-comm-{mode.replace(':', '')}-{int(time.time())}"
+        run = f"bench-comm-{mode.replace(':', '').replace('+', '-')}-{int(time.time())}"
         extra = (
             ["--averaging", "diloco", "--local-steps", str(local_steps)]
             if diloco
             else ["--compression", mode]
         )
-        common = [
-            "join", "--config", "demo", "--run-id", run, "--log-dir", str(bench.work), "--threads", "1",
-            "--batch-size", str(batch), "--target-batch-size", str(target), "--max-epochs", str(epochs),
-            "--eval-every", "100000", "--log-every", "10", *extra,
-        ]  # fmt: skip
+        if mode == "diloco+int8":  # 8-bit pseudo-gradients, as in INTELLECT-1
+            extra += ["--compression", "int8"]
+        extra += ["--average-state-every", str(STATE_EVERY)]
         started = time.time()
-        first = Peer(f"{run}-a", [*common, "--peer-name", "a", "--seed", "1"], bench.work)
-        peers = [first]
-        try:
-            address = first.join_address(timeout=120)
-            peers.append(
-                Peer(
-                    f"{run}-b",
-                    [*common, "--peer-name", "b", "--seed", "2", "--initial-peers", address],
-                    bench.work,
-                )
-            )
-            codes = [p.wait(timeout=1800) for p in peers]
-        finally:
-            for p in peers:
-                p.stop()
+        sums = _swarm(
+            bench,
+            run,
+            2,
+            [
+                "--batch-size",
+                str(batch),
+                "--target-batch-size",
+                str(target),
+                "--max-epochs",
+                str(epochs),
+                *extra,
+            ],
+        )
         wall = time.time() - started
-        if any(codes):
-            raise RuntimeError(f"comm {mode}: a peer failed (exit codes {codes}); logs in {bench.work}")
-        sums = [_summary(bench.work, run, n) for n in ("a", "b")]
         trained = sum(h["samples"] for s in sums for h in s["history"])
         sent = sum(s["bytes_sent"] for s in sums)
         rounds = max(s["final_epoch"] for s in sums) - min(s.get("loaded_epoch") or 0 for s in sums)
@@ -483,6 +497,13 @@ def comm(bench: Bench, samples: int, local_steps: int, batch: int = 32) -> None:
                 "bytes_sent_both_peers": sent,
                 "bytes_per_round_per_peer": sent / 2 / max(rounds, 1),
                 "bytes_per_sample": sent / max(trained, 1),
+                "gradient_bytes_per_round_per_peer": sum(s["bytes_sent_gradients"] for s in sums)
+                / 2
+                / max(rounds, 1),
+                "state_bytes_per_state_round_per_peer": sum(s["bytes_sent_state"] for s in sums)
+                / 2
+                / max(rounds // STATE_EVERY, 1),
+                "average_state_every": STATE_EVERY,
                 "val_acc": sum(accs) / len(accs) if accs else None,
                 "val_acc_per_peer": accs,
                 "wall_seconds": round(wall, 1),
@@ -507,15 +528,18 @@ def comm_table(rows: list[dict[str, Any]]) -> str:
         return ""
     base = next((r for r in rows if r["mode"] == "none"), rows[0])
     lines = [
-        "| mode | bytes / round / peer | bytes / sample | vs none | val acc | global epochs | samples |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| mode | bytes / round / peer | of which gradients | bytes / state round / peer | bytes / sample | "
+        "vs none | val acc | global epochs | samples |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        name = f"diloco H={r['local_steps']}" if r["mode"] == "diloco" else r["mode"]
+        name = r["mode"].replace("diloco", f"diloco H={r['local_steps']}")
         ratio = base["bytes_per_sample"] / max(r["bytes_per_sample"], 1e-9)
         acc = f"{r['val_acc']:.3f}" if r["val_acc"] is not None else "-"
         lines.append(
-            f"| {name} | {r['bytes_per_round_per_peer']:,.0f} | {r['bytes_per_sample']:,.1f} | "
+            f"| {name} | {r['bytes_per_round_per_peer']:,.0f} | "
+            f"{r['gradient_bytes_per_round_per_peer']:,.0f} | "
+            f"{r['state_bytes_per_state_round_per_peer']:,.0f} | {r['bytes_per_sample']:,.1f} | "
             f"{ratio:.1f}x fewer | {acc} | {r['global_epochs']} | {r['samples_trained']} |"
         )
     return "\n".join(lines)
@@ -662,6 +686,11 @@ def run_bench(
     bench = Bench(out=out, work=work)
     work.mkdir(parents=True, exist_ok=True)
     began = time.time()
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # so that every scenario stops the peers it started (finally blocks)
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         for name in scenarios:
             t0 = time.time()
@@ -677,6 +706,7 @@ def run_bench(
                 step(bench, batch=step_batch, peak_tflops=peak_tflops)
             print(f"({name}: {time.time() - t0:.0f} s)", flush=True)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         remove_stale_sockets(since=began, exclude_own=True, settle=3.0)
     print()
     tables = (scaling_table, comm_table, join_table, parity_table, step_table)

@@ -159,6 +159,12 @@ def training_options(func: Callable) -> Callable:
             "--averaging-timeout", type=float, default=None, help="Seconds before an all-reduce is cancelled."
         ),
         click.option(
+            "--average-state-every",
+            type=click.IntRange(1),
+            default=None,
+            help="Average the parameters (and in DiLoCo the optimizers' state) every N global epochs [1].",
+        ),
+        click.option(
             "--limit-train-samples", type=int, default=None, help="Train on the first N images only."
         ),
         click.option(
@@ -485,9 +491,9 @@ if __name__ == "__main__":
 @click.option(
     "--samples",
     type=click.IntRange(256),
-    default=6400,
+    default=4096,
     show_default=True,
-    help="comm: samples per mode; parity: samples per run.",
+    help="comm: samples per mode (DiLoCo: at least 2 outer steps); parity: samples per run.",
 )
 @click.option(
     "--local-steps", type=click.IntRange(1), default=50, show_default=True, help="scaling, comm: DiLoCo's H."

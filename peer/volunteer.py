@@ -18,7 +18,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from swarm import metrics
+from swarm import metrics, traffic
 from swarm.checkpoint import check_compatible, load_checkpoint, load_weights
 from swarm.config import ExperimentConfig, save_config
 from swarm.data import build_datasets, peer_seed, train_loader, val_loader
@@ -246,6 +246,8 @@ class SwarmReporter(L.Callback):
             "nonfinite_rollbacks": self.strategy.nonfinite_rollbacks,
             "resyncs": self.strategy.resyncs,
             "bytes_sent": self.strategy.bytes_sent,
+            "bytes_sent_gradients": traffic.bytes_sent("gradients"),
+            "bytes_sent_state": traffic.bytes_sent("state"),
             # where the time went: windows exclude validation; round ends are the steps that closed an epoch
             "train_seconds": sum(
                 h["samples"] / h["samples_per_second"] for h in done if h["samples_per_second"]

@@ -3,8 +3,9 @@
 hivemind's all-reduce is a ``AllReduceRunner`` per round, inside each averager's own process: it streams this
 peer's tensor parts to their reducers, and, as a reducer, streams the averaged parts back. ``install()``
 replaces the runner with a subclass that adds the serialized size of every message it sends to a counter in
-shared memory, so the training process can read it. Gradient and parameter (state) rounds both count;
-state downloads by newcomers do not (they are not rounds).
+shared memory, so the training process can read it. Gradient rounds (the gradient averager, or DiLoCo's
+pseudo-gradients) and state rounds (parameters, and the optimizers' statistics where they are averaged) are
+counted apart, by the averager's prefix; state downloads by newcomers do not count (they are not rounds).
 
 The subclass keeps hivemind's class name, as hivemind names its RPC handlers after the class.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import multiprocessing as mp
 from typing import Any
 
-_sent: Any = None  # mp.Value('d'): bytes sent in all-reduce rounds by this process's averagers
+_sent: Any = None  # {"gradients": mp.Value('d'), "state": mp.Value('d')}: bytes sent in all-reduce rounds
 
 
 def install() -> None:
@@ -24,27 +25,33 @@ def install() -> None:
         return
     from hivemind.averaging import allreduce, averager
 
-    counter = mp.get_context("fork").Value("d", 0.0)
+    context = mp.get_context("fork")
+    counters = {"gradients": context.Value("d", 0.0), "state": context.Value("d", 0.0)}
 
-    def add(n: int) -> None:
+    def add(prefix: str | None, n: int) -> None:
+        # hivemind.Optimizer's prefixes: <run_id>_grad_averager and <run_id>_state_averager
+        counter = counters["gradients" if (prefix or "").endswith("grad_averager") else "state"]
         with counter.get_lock():
             counter.value += n
 
     class AllReduceRunner(allreduce.AllReduceRunner):  # same name: hivemind derives RPC names from it
         async def _generate_input_for_peer(self, peer_index: int):  # this peer's parts, to their reducer
             async for message in super()._generate_input_for_peer(peer_index):
-                add(message.ByteSize())
+                add(self._prefix, message.ByteSize())
                 yield message
 
         async def _accumulate_parts_streaming(self, stream: Any, sender_index: int):  # averaged, sent back
             async for message in super()._accumulate_parts_streaming(stream, sender_index):
-                add(message.ByteSize())
+                add(self._prefix, message.ByteSize())
                 yield message
 
     averager.AllReduceRunner = AllReduceRunner
-    _sent = counter
+    _sent = counters
 
 
-def bytes_sent() -> float:
-    """Bytes sent in averaging rounds since install() (0 if not installed)."""
-    return float(_sent.value) if _sent is not None else 0.0
+def bytes_sent(kind: str | None = None) -> float:
+    """Bytes sent in averaging rounds since install() (0 if not installed): all, or of ``kind`` (gradients or
+    state) only."""
+    if _sent is None:
+        return 0.0
+    return float(sum(c.value for k, c in _sent.items() if kind in (None, k)))

@@ -214,6 +214,7 @@ def test_a_peer_killed_mid_accumulation_in_matchmaking_or_in_allreduce(peers, tm
     assert max(peer_counts) >= 3 and peer_counts[-1] == 2, peer_counts
 
 
+@pytest.mark.slow  # 80 s; the default suite keeps the faulty-peer test, `make test-slow` runs this one
 def test_the_entry_peer_dies_and_newcomers_join_through_any_survivor(peers, tmp_path):
     run = "pytest-entry"
     forever = ("--max-epochs", "100000")

@@ -174,6 +174,16 @@ def _rounds(s: dict[str, Any]) -> int:
     return max(s["final_epoch"] - (s.get("loaded_epoch") or 0), 1)
 
 
+def _table(rows: list[dict[str, Any]], scenario: str, header: list[str], cells: Any) -> str:
+    """A markdown table of the rows of ``scenario`` ("" if none): ``cells(row)`` gives one line's cells."""
+    rows = [r for r in rows if r["scenario"] == scenario]
+    if not rows:
+        return ""
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in cells(r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
 # ---- scaling -----------------------------------------------------------------------------------------
 def scaling(bench: Bench, peers: int, local_steps: int, batch: int = 32, per_round: int = 16) -> None:
     """K peers vs K-rank DDP vs one process: the demo model, ``batch`` per worker, ``per_round`` per-step
@@ -248,26 +258,36 @@ def _scaling_line(r: dict[str, Any]) -> str:
 
 
 def scaling_table(rows: list[dict[str, Any]]) -> str:
-    rows = [r for r in rows if r["scenario"] == "scaling"]
-    if not rows:
-        return ""
-    lines = [
-        "| mode | workers | target batch | samples/s | DDP samples/s | one process samples/s | vs DDP | "
-        "vs K x one | s per round | of which ending the round |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    names = {"swarm-state10": "swarm, parameters averaged every 10th epoch"}
+    header = [
+        "mode",
+        "workers",
+        "target batch",
+        "samples/s",
+        "DDP samples/s",
+        "one process samples/s",
+        "vs DDP",
+        "vs K x one",
+        "s per round",
+        "of which ending the round",
     ]
-    for r in rows:
-        name = {
-            "diloco": f"diloco H={r['local_steps']}",
-            "swarm-state10": "swarm, parameters averaged every 10th epoch",
-        }.get(r["mode"], r["mode"])
-        lines.append(
-            f"| {name} | {r['workers']} | {r['target_batch_size']} | {r['samples_per_second']} | "
-            f"{r['ddp_samples_per_second']} | {r['single_samples_per_second']} | {r['vs_ddp']:.2f} | "
-            f"{r['vs_k_single']:.2f} | {r['seconds_per_round']:.2f} | "
-            f"{r['round_end_seconds_per_round']:.2f} |"
-        )
-    return "\n".join(lines)
+    return _table(
+        rows,
+        "scaling",
+        header,
+        lambda r: [
+            f"diloco H={r['local_steps']}" if r["mode"] == "diloco" else names.get(r["mode"], r["mode"]),
+            r["workers"],
+            r["target_batch_size"],
+            r["samples_per_second"],
+            r["ddp_samples_per_second"],
+            r["single_samples_per_second"],
+            f"{r['vs_ddp']:.2f}",
+            f"{r['vs_k_single']:.2f}",
+            f"{r['seconds_per_round']:.2f}",
+            f"{r['round_end_seconds_per_round']:.2f}",
+        ],  # fmt: skip
+    )
 
 
 # ---- parity ------------------------------------------------------------------------------------------
@@ -309,22 +329,30 @@ def _fmt(x: float | None) -> str:
 
 
 def parity_table(rows: list[dict[str, Any]]) -> str:
-    rows = [r for r in rows if r["scenario"] == "parity"]
-    lines = [
-        "| target batch B | samples | 2-peer swarm val acc | one process (batch B) val acc | difference |",
-        "| --- | --- | --- | --- | --- |",
+    def diff(r: dict[str, Any]) -> str:
+        if r["swarm_val_acc"] is None or r["single_val_acc"] is None:
+            return "-"
+        return f"{100 * (r['swarm_val_acc'] - r['single_val_acc']):+.1f} points"
+
+    header = [
+        "target batch B",
+        "samples",
+        "2-peer swarm val acc",
+        "one process (batch B) val acc",
+        "difference",
     ]
-    for r in rows:
-        diff = (
-            f"{100 * (r['swarm_val_acc'] - r['single_val_acc']):+.1f} points"
-            if r["swarm_val_acc"] is not None and r["single_val_acc"] is not None
-            else "-"
-        )
-        lines.append(
-            f"| {r['target_batch_size']} | {r['samples']} | {_fmt(r['swarm_val_acc'])} | "
-            f"{_fmt(r['single_val_acc'])} | {diff} |"
-        )
-    return "\n".join(lines) if rows else ""
+    return _table(
+        rows,
+        "parity",
+        header,
+        lambda r: [
+            r["target_batch_size"],
+            r["samples"],
+            _fmt(r["swarm_val_acc"]),
+            _fmt(r["single_val_acc"]),
+            diff(r),
+        ],
+    )
 
 
 # ---- step -------------------------------------------------------------------------------------------
@@ -434,24 +462,26 @@ def step(bench: Bench, batch: int, peak_tflops: float | None, steps: int = 50, w
 
 
 def step_table(rows: list[dict[str, Any]]) -> str:
-    rows = [r for r in rows if r["scenario"] == "step"]
-    lines = [
-        "| GPU | model | batch | samples/s | TFLOP/s | MFU | peak memory |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['gpu']} | {r['model']} {r['img_size']}px bf16 | {r['batch']} | "
-            f"{r['samples_per_second']} | "
-            f"{r['achieved_tflops']} | {_fmt(r['mfu'])} | {r['peak_memory_gb']} GB |"
-        )
-    return "\n".join(lines) if rows else ""
+    header = ["GPU", "model", "batch", "samples/s", "TFLOP/s", "MFU", "peak memory"]
+    return _table(
+        rows,
+        "step",
+        header,
+        lambda r: [
+            r["gpu"],
+            f"{r['model']} {r['img_size']}px bf16",
+            r["batch"],
+            r["samples_per_second"],
+            r["achieved_tflops"],
+            _fmt(r["mfu"]),
+            f"{r['peak_memory_gb']} GB",
+        ],  # fmt: skip
+    )
 
 
 # ---- comm --------------------------------------------------------------------------------------------
 def comm(bench: Bench, samples: int, local_steps: int, batch: int = 32) -> None:
     """Two peers per mode, ``samples`` training samples in all (both peers together)."""
-    began = time.time()
     for mode in COMM_MODES:
         diloco = mode.startswith("diloco")
         # gradients: a global epoch every 128 samples (the demo's target); DiLoCo: 2 peers x H x batch
@@ -510,7 +540,6 @@ def comm(bench: Bench, samples: int, local_steps: int, batch: int = 32) -> None:
             }
         )
         print(_comm_line(bench.rows[-1]), flush=True)
-    remove_stale_sockets(since=began, exclude_own=True, settle=3.0)
 
 
 def _comm_line(r: dict[str, Any]) -> str:
@@ -523,26 +552,35 @@ def _comm_line(r: dict[str, Any]) -> str:
 
 
 def comm_table(rows: list[dict[str, Any]]) -> str:
-    rows = [r for r in rows if r["scenario"] == "comm"]
-    if not rows:
-        return ""
-    base = next((r for r in rows if r["mode"] == "none"), rows[0])
-    lines = [
-        "| mode | bytes / round / peer | of which gradients | bytes / state round / peer | bytes / sample | "
-        "vs none | val acc | global epochs | samples |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    comm_rows = [r for r in rows if r["scenario"] == "comm"]
+    base = next((r for r in comm_rows if r["mode"] == "none"), comm_rows[0]) if comm_rows else None
+    header = [
+        "mode",
+        "bytes / round / peer",
+        "of which gradients",
+        "bytes / state round / peer",
+        "bytes / sample",
+        "vs none",
+        "val acc",
+        "global epochs",
+        "samples",
     ]
-    for r in rows:
-        name = r["mode"].replace("diloco", f"diloco H={r['local_steps']}")
-        ratio = base["bytes_per_sample"] / max(r["bytes_per_sample"], 1e-9)
-        acc = f"{r['val_acc']:.3f}" if r["val_acc"] is not None else "-"
-        lines.append(
-            f"| {name} | {r['bytes_per_round_per_peer']:,.0f} | "
-            f"{r['gradient_bytes_per_round_per_peer']:,.0f} | "
-            f"{r['state_bytes_per_state_round_per_peer']:,.0f} | {r['bytes_per_sample']:,.1f} | "
-            f"{ratio:.1f}x fewer | {acc} | {r['global_epochs']} | {r['samples_trained']} |"
-        )
-    return "\n".join(lines)
+    return _table(
+        rows,
+        "comm",
+        header,
+        lambda r: [
+            r["mode"].replace("diloco", f"diloco H={r['local_steps']}"),
+            f"{r['bytes_per_round_per_peer']:,.0f}",
+            f"{r['gradient_bytes_per_round_per_peer']:,.0f}",
+            f"{r['state_bytes_per_state_round_per_peer']:,.0f}",
+            f"{r['bytes_per_sample']:,.1f}",
+            f"{base['bytes_per_sample'] / max(r['bytes_per_sample'], 1e-9):.1f}x fewer",
+            "-" if r["val_acc"] is None else f"{r['val_acc']:.3f}",
+            r["global_epochs"],
+            r["samples_trained"],
+        ],  # fmt: skip
+    )
 
 
 # ---- join --------------------------------------------------------------------------------------------
@@ -659,18 +697,19 @@ def join(bench: Bench, model_name: str = "vit_base_patch32_224", repeats: int = 
 
 
 def join_table(rows: list[dict[str, Any]]) -> str:
-    rows = [r for r in rows if r["scenario"] == "join"]
-    lines = [
-        "| model | state | from a peer (s) | from a local checkpoint (s) | peer MB/s |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['model']} | {r['state_bytes'] / 1e9:.2f} GB | "
-            f"{', '.join(map(str, r['from_peer_seconds']))} | "
-            f"{', '.join(map(str, r['from_checkpoint_seconds']))} | {r['from_peer_MB_per_s']} |"
-        )
-    return "\n".join(lines) if rows else ""
+    header = ["model", "state", "from a peer (s)", "from a local checkpoint (s)", "peer MB/s"]
+    return _table(
+        rows,
+        "join",
+        header,
+        lambda r: [
+            r["model"],
+            f"{r['state_bytes'] / 1e9:.2f} GB",
+            ", ".join(map(str, r["from_peer_seconds"])),
+            ", ".join(map(str, r["from_checkpoint_seconds"])),
+            r["from_peer_MB_per_s"],
+        ],  # fmt: skip
+    )
 
 
 def run_bench(

@@ -165,9 +165,7 @@ def _local(bench: Bench, run: str, strategy: str, devices: int, args: list[str])
 def _peer_rate(s: dict[str, Any]) -> float:
     """A peer's samples/s over its training windows (validation excluded, averaging waits included)."""
     done = [h for h in s["history"] if h["mini_steps"] and h["samples_per_second"]]
-    return sum(h["samples"] for h in done) / max(
-        sum(h["samples"] / h["samples_per_second"] for h in done), 1e-9
-    )
+    return sum(h["samples"] for h in done) / max(s["train_seconds"], 1e-9)  # the summary's sum of windows
 
 
 def _rounds(s: dict[str, Any]) -> int:

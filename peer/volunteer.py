@@ -253,6 +253,9 @@ class SwarmReporter(L.Callback):
                 h["samples"] / h["samples_per_second"] for h in done if h["samples_per_second"]
             ),
             "round_end_seconds": self.strategy.round_end_seconds,
+            "local_fallback_steps": self.strategy.local_fallback_steps,
+            "round_ends": self.strategy.clock.summary() if self.strategy.clock else None,
+            "rounds": self.strategy.clock.rounds if self.strategy.clock else [],
             **self._diloco_summary(),
             "seconds": time.time() - self.started if hasattr(self, "started") else 0.0,
         }
@@ -360,26 +363,14 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
         check_against_swarm(dht, cfg)  # before any averager exists: a mismatch never touches the swarm
         publisher = ConfigPublisher(dht, cfg, public_key, peer_name)
         publisher.maybe_publish()
-        strategy = HivemindStrategy(
+        strategy = HivemindStrategy.from_swarm_config(
+            cfg.swarm,
             dht=dht,
-            run_id=cfg.swarm.run_id,
-            target_batch_size=cfg.swarm.target_batch_size,
             batch_size=cfg.data.batch_size,
             device=device,
-            matchmaking_time=cfg.swarm.matchmaking_time,
-            averaging_timeout=cfg.swarm.averaging_timeout,
-            average_state_every=cfg.swarm.average_state_every,
-            load_state_timeout=cfg.swarm.load_state_timeout,
-            request_timeout=cfg.swarm.request_timeout,
-            next_chunk_timeout=cfg.swarm.next_chunk_timeout,
             resume_epoch=resume.get("global_epoch"),
             resume_optimizer_state=resume.get("optimizer"),
             faults=_fault_injector(cfg),
-            compression=cfg.swarm.compression,
-            averaging=cfg.swarm.averaging,
-            local_steps=cfg.swarm.local_steps,
-            outer_lr=cfg.swarm.outer_lr,
-            outer_momentum=cfg.swarm.outer_momentum,
         )
         reporter = SwarmReporter(cfg, strategy, public_key, peer_name, val_loader(val_set, cfg.data), stop)
         reporter.publisher = publisher

@@ -26,7 +26,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch and hivemind load only when a fault is injected: the config parses specs cheaply
@@ -95,13 +95,12 @@ class FaultInjector:
             )
             self._grad_left = {f: f.count for f in self.faults if f.kind in GRAD_KINDS}
 
-    def grad_averager_factory(self, **kwargs: Any) -> Any:
-        """The gradient averager class for hivemind.Optimizer, with the kill hooks if any are asked for."""
-        from hivemind.optim.grad_averager import GradientAverager
-
+    def grad_averager_factory(self, base: type, **kwargs: Any) -> Any:
+        """The gradient averager class ``base`` for hivemind.Optimizer, with the kill hooks if any are asked
+        for."""
         if any(f.kind in ("kill:matchmaking", "kill:allreduce") for f in self.faults):
-            return partial(FaultyGradientAverager, armed=self.armed, **kwargs)
-        return partial(GradientAverager, **kwargs)
+            return partial(_make_faulty_averager(base), armed=self.armed, **kwargs)
+        return partial(base, **kwargs)
 
     def on_local_step(self, epoch: int, samples_accumulated: int) -> None:
         """After each local step: kill mid-accumulation, or arm the averager's kill for this epoch."""
@@ -143,12 +142,12 @@ class FaultInjector:
         return False
 
 
-def _make_faulty_averager():
+@cache
+def _make_faulty_averager(base: type) -> type:
     from hivemind.averaging.control import AveragingStage
-    from hivemind.optim.grad_averager import GradientAverager as HivemindGradientAverager
 
     # the class keeps hivemind's name: RPC handler names are built from it, and must match other peers'
-    class GradientAverager(HivemindGradientAverager):
+    class GradientAverager(base):  # type: ignore[misc,valid-type]
         """A GradientAverager that kills its peer during matchmaking or an all-reduce when armed."""
 
         def __init__(self, *args: Any, armed: Any, **kwargs: Any) -> None:
@@ -180,8 +179,3 @@ def _make_faulty_averager():
             self._alpha_value = value
 
     return GradientAverager
-
-
-def FaultyGradientAverager(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 (a class factory, used as a class)
-    """Build the faulty gradient averager (the class is made lazily so that hivemind loads only when used)."""
-    return _make_faulty_averager()(*args, **kwargs)

@@ -35,13 +35,14 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from swarm import traffic
+from swarm import averagers, traffic
 from swarm.compression import parse_compression
-from swarm.config import AVERAGING
+from swarm.config import AVERAGING, SwarmConfig
 from swarm.dht import stop_dht
 from swarm.diloco import DiLoCo
 from swarm.guard import StateGuard, all_finite
 from swarm.procs import p2p_daemon_alive
+from swarm.rounds import RoundClock
 
 if TYPE_CHECKING:
     import hivemind
@@ -110,6 +111,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         averaging: 'gradients' (every global step averages gradients) or 'diloco' (see swarm/diloco.py:
             ``local_steps`` inner steps of the module's optimizer, then an outer Nesterov SGD step with
             ``outer_lr`` and ``outer_momentum`` on the averaged pseudo-gradient).
+        close_groups_early: close an averaging group as soon as every peer that reports progress is in it
+            (hivemind's own default waits the whole ``matchmaking_time``; see swarm/averagers.py).
         optimizer_kwargs: passed on to ``hivemind.Optimizer``.
     """
 
@@ -139,6 +142,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         local_steps: int = 50,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
+        close_groups_early: bool = True,
         **optimizer_kwargs: Any,
     ) -> None:
         super().__init__(device=device)
@@ -149,6 +153,9 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.skipped_nonfinite_steps = 0
         self.nonfinite_rollbacks = 0  # global epochs after which the parameters were non-finite
         self.resyncs = 0  # state downloads after a fault
+        self.local_fallback_steps = 0  # failed gradient rounds: this peer stepped on its own gradient
+        self.close_groups_early = close_groups_early
+        self.clock: RoundClock | None = None
         # wall time of the optimizer steps that ended a global epoch: waiting for the other peers' samples,
         # matchmaking, the all-reduce and the update (the part of a round that is not this peer's compute)
         self.round_end_seconds = 0.0
@@ -178,6 +185,29 @@ class HivemindStrategy(SingleDeviceStrategy):
         self._shut_down = False
         self.leaving = False  # set when the peer was asked to leave (a signal): shutdown is then bounded
         self.leave_timeout = 3.0
+
+    @classmethod
+    def from_swarm_config(
+        cls, swarm: SwarmConfig, *, dht: hivemind.DHT, batch_size: int, **kwargs: Any
+    ) -> HivemindStrategy:
+        """The strategy with every averaging setting taken from ``swarm`` (``kwargs`` add or override)."""
+        fields = dict(
+            run_id=swarm.run_id,
+            target_batch_size=swarm.target_batch_size,
+            matchmaking_time=swarm.matchmaking_time,
+            averaging_timeout=swarm.averaging_timeout,
+            average_state_every=swarm.average_state_every,
+            load_state_timeout=swarm.load_state_timeout,
+            request_timeout=swarm.request_timeout,
+            next_chunk_timeout=swarm.next_chunk_timeout,
+            compression=swarm.compression,
+            averaging=swarm.averaging,
+            local_steps=swarm.local_steps,
+            outer_lr=swarm.outer_lr,
+            outer_momentum=swarm.outer_momentum,
+            close_groups_early=swarm.close_groups,
+        )
+        return cls(dht=dht, batch_size=batch_size, **{**fields, **kwargs})
 
     # ---- properties that roles and callbacks read -------------------------------------------------
     @property
@@ -212,6 +242,7 @@ class HivemindStrategy(SingleDeviceStrategy):
                     f"the checkpoint's optimizer state does not fit: {exc}"
                 ) from None
         traffic.install()  # before hivemind starts its averager processes
+        averagers.install()
         inner = self.optimizers[0]
         self.guard = StateGuard([p for group in inner.param_groups for p in group["params"]], inner)
         if self.faults is not None:
@@ -219,17 +250,23 @@ class HivemindStrategy(SingleDeviceStrategy):
                 raise MisconfigurationException(
                     "fault injection cannot be combined with powersgd compression"
                 )
-            factory = self.faults.grad_averager_factory(request_timeout=self.request_timeout)
-        else:
-            factory = self.compression.grad_averager_factory(
-                GradientAverager, request_timeout=self.request_timeout
+            factory = self.faults.grad_averager_factory(
+                averagers.keeping_local_gradients(GradientAverager), request_timeout=self.request_timeout
             )
+        else:
+            factory = averagers.round_averager(
+                self.compression.grad_averager_factory(GradientAverager, request_timeout=self.request_timeout)
+            )
+        statistics: tuple[str, ...] = ()
         if self.averaging == "diloco":
             # hivemind's optimizer runs the outer SGD on the anchors; the module's optimizer stays local
             self.diloco = DiLoCo(inner, **self._diloco_args, should_stop=lambda: self.leaving)
             swarm_optimizer, extra_tensors = self.diloco.outer, self.diloco.extra_tensors
         else:
             swarm_optimizer, extra_tensors = inner, ()
+            # Adam's moments are averaged with the parameters, so peers that missed a round realign fully
+            if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+                statistics = ("exp_avg", "exp_avg_sq")
         sigint = signal.getsignal(signal.SIGINT)  # hivemind's averagers set SIGINT to SIG_IGN in this process
         self.hivemind_opt = hivemind.Optimizer(
             dht=self.dht,
@@ -241,11 +278,15 @@ class HivemindStrategy(SingleDeviceStrategy):
             # hivemind passes averager_opts to the state averager only; the gradient averager needs the
             # same request_timeout, or matchmaking_time below 3 s risks deadlocks
             grad_averager_factory=factory,
+            average_opt_statistics=statistics,
             **self.compression.optimizer_kwargs(),
             **self._optimizer_kwargs,
         )
         if self.diloco is not None:
             self.diloco.attach(self.hivemind_opt)
+        self.clock = RoundClock(self.hivemind_opt, swarm_optimizer)
+        if hasattr(self.hivemind_opt.grad_averager, "on_local_fallback"):
+            self.hivemind_opt.grad_averager.on_local_fallback = self._on_local_fallback
         if sigint is not None:
             signal.signal(signal.SIGINT, sigint)  # so that Ctrl-C still reaches this process
         for config in self.lr_scheduler_configs:
@@ -301,6 +342,7 @@ class HivemindStrategy(SingleDeviceStrategy):
     ) -> Any:
         module = model if isinstance(model, torch.nn.Module) else self.lightning_module
         epoch = self.local_epoch
+        self._match_group_size()
         plugin = self.precision_plugin
         if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
             began = time.perf_counter()  # here the step includes the closure (forward and backward)
@@ -318,7 +360,10 @@ class HivemindStrategy(SingleDeviceStrategy):
         if self.diloco is not None:
             self.diloco.after_inner_step(self.batch_size)  # the outer step, when due
         if self.local_epoch != epoch:
-            self.round_end_seconds += time.perf_counter() - began
+            spent = time.perf_counter() - began
+            self.round_end_seconds += spent
+            if self.clock is not None:
+                self.clock.close_round(self.local_epoch, spent)
             self._after_global_step(module)
         if self.faults is not None and self.hivemind_opt is not None:
             accumulated = (
@@ -328,6 +373,25 @@ class HivemindStrategy(SingleDeviceStrategy):
             )
             self.faults.on_local_step(self.local_epoch, accumulated)
         return result
+
+    def _match_group_size(self) -> None:
+        """Let averaging groups close as soon as every peer the tracker sees is in (swarm/averagers.py)."""
+        opt = self.hivemind_opt
+        if opt is None or not self.close_groups_early:
+            return
+        size = max(2, opt.tracker.global_progress.num_peers)
+        for averager in self._averagers():
+            averagers.set_target_group_size(averager, size)
+
+    def _on_local_fallback(self, samples: int) -> None:
+        self.local_fallback_steps += 1
+        log.warning(
+            "The gradient round toward global epoch %d failed; this peer steps on its own gradient of %d "
+            "samples instead (%d such steps so far). Parameters realign at the next state averaging.",
+            self.local_epoch + 1,
+            samples,
+            self.local_fallback_steps,
+        )
 
     def _skip_nonfinite_step(self, module: torch.nn.Module) -> None:
         """Drop this step's gradients (never sent), and resynchronise once per run of bad steps."""
@@ -401,6 +465,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         self._shut_down = True
         if self.guard is not None:
             self.guard.close()
+        if self.clock is not None:
+            self.clock.close()
         network_alive = p2p_daemon_alive()
         try:
             opt = self.hivemind_opt

@@ -1,0 +1,138 @@
+"""Where the end of each global epoch goes: one record per round, split into its parts.
+
+A round ends in the local step at which the swarm has ``target_batch_size`` samples. That step's wall time
+(``end``) is split into:
+
+* ``matchmaking``: from the moment this peer is ready until its gradient group is assembled (zero when the
+  group was found while this peer still computed, which is what pre-scheduling is for);
+* ``allreduce``: the gradient all-reduce itself, waiting for the slowest member's trigger included;
+* ``state``: the parameter (and optimizer statistics) averaging round, at epochs where it runs;
+* ``update``: the optimizer's own update (AdamW, or DiLoCo's outer SGD);
+* ``other``: the rest (hivemind's bookkeeping, the progress tracker, finiteness checks).
+
+``outcome`` says what the update used: ``averaged`` (the group's average, ``group`` peers), ``local`` (the
+round failed; this peer's own gradient of the round, see swarm/averagers.py) or ``alone`` (no other peer).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+PARTS = ("matchmaking", "allreduce", "state", "update")
+
+
+class RoundClock:
+    """Times the parts of each round by wrapping three methods of one ``hivemind.Optimizer`` instance."""
+
+    def __init__(self, opt: Any, update_optimizer: torch.optim.Optimizer) -> None:
+        from hivemind.averaging.control import AveragingStage
+
+        self._looking = (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
+        self.opt = opt
+        self.rounds: list[dict[str, Any]] = []
+        self._reset()
+        self._in_round = False
+        opt._average_gradients_and_load_into_optimizer = self._timed_gradients(
+            opt._average_gradients_and_load_into_optimizer
+        )
+        opt._update_global_epoch = self._marked_round(opt._update_global_epoch)
+        opt.state_averager.step = self._timed_state(opt.state_averager.step)
+        self._update_started = 0.0
+        self._hooks = [
+            update_optimizer.register_step_pre_hook(self._before_update),
+            update_optimizer.register_step_post_hook(self._after_update),
+        ]
+
+    def _reset(self) -> None:
+        self.parts = dict.fromkeys(PARTS, 0.0)
+        self.outcome, self.group = "alone", 1
+
+    # ---- wrappers ---------------------------------------------------------------------------------------
+    def _marked_round(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            self._in_round = True
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._in_round = False
+
+        return wrapped
+
+    def _timed_gradients(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(control: Any) -> Any:
+            began = time.perf_counter()
+            if control is not None:  # the trigger is set: wait until the group is there (or the round failed)
+                while not control.done() and control.stage in self._looking:
+                    time.sleep(0.001)
+            found = time.perf_counter()
+            fallbacks = getattr(self.opt.grad_averager, "local_fallbacks", 0)
+            try:
+                return method(control)
+            finally:
+                self.parts["matchmaking"] += found - began
+                self.parts["allreduce"] += time.perf_counter() - found
+                if getattr(self.opt.grad_averager, "local_fallbacks", 0) > fallbacks:
+                    self.outcome = "local"
+                elif control is not None and control.done() and control.exception() is None:
+                    self.outcome, self.group = "averaged", len(control.result())
+
+        return wrapped
+
+    def _timed_state(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if not (self._in_round and kwargs.get("increment_epoch")):
+                return method(*args, **kwargs)
+            began, update_before = time.perf_counter(), self.parts["update"]
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - began - (self.parts["update"] - update_before)
+                if kwargs.get("averaging_round"):
+                    self.parts["state"] += spent
+
+        return wrapped
+
+    def _before_update(self, *args: Any) -> None:
+        self._update_started = time.perf_counter()
+
+    def _after_update(self, *args: Any) -> None:
+        if self._update_started:
+            self.parts["update"] += time.perf_counter() - self._update_started
+            self._update_started = 0.0
+
+    # ---- records ----------------------------------------------------------------------------------------
+    def close_round(self, epoch: int, end_seconds: float) -> dict[str, Any]:
+        """Record the round that ended at global epoch ``epoch`` after ``end_seconds`` of its last step."""
+        parts = {k: round(v, 4) for k, v in self.parts.items()}
+        record = {
+            "epoch": epoch,
+            "end": round(end_seconds, 4),
+            **parts,
+            "other": round(max(0.0, end_seconds - sum(self.parts.values())), 4),
+            "outcome": self.outcome,
+            "group": self.group,
+        }
+        self.rounds.append(record)
+        self._reset()
+        return record
+
+    def summary(self) -> dict[str, Any]:
+        """Totals, medians and outcome counts over the recorded rounds (for summary.json)."""
+        rounds = self.rounds
+        out: dict[str, Any] = {"rounds": len(rounds)}
+        for key in ("end", *PARTS, "other"):
+            values = [r[key] for r in rounds]
+            out[f"{key}_seconds_total"] = round(sum(values), 3)
+            out[f"{key}_seconds_median"] = round(statistics.median(values), 4) if values else None
+        for outcome in ("averaged", "local", "alone"):
+            out[outcome] = sum(r["outcome"] == outcome for r in rounds)
+        return out
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()

@@ -88,11 +88,19 @@ def test_peers_train_together(peers, tmp_path):
     warnings = "\n".join(
         f"{p.name}: {line}" for p in trainers + [late] for line in p.lines if "WARN" in line or " W " in line
     )
-    # equal after each successful averaging, not at every epoch: a round that fails (a CancelledError retried,
-    # say) leaves the peers ~3e-4 apart until the next one succeeds (CI saw this at the final epoch)
+    # averaging really happened, every round: peers hold identical parameters at >= 90% of the global epochs
+    # they both completed (a round closes once every live peer is in its group, and a failed one is followed
+    # by parameter averaging at the next epoch, so only a failed round's epoch may differ)
     for s in in_sync[1:]:
         common, equal = synced_epochs(in_sync[0], s, rel=1e-6)
-        assert set(equal) & set(common[-3:]), (s["peer_name"], common[-3:], equal[-3:], warnings)
+        share = len(equal) / max(1, len(common))
+        assert common and share >= 0.9, (
+            s["peer_name"],
+            f"equal at {len(equal)} of {len(common)} common epochs",
+            sorted(set(common) - set(equal)),
+            {n: x.get("round_ends") for n, x in summaries.items()},
+            warnings,
+        )
 
     # the loss fell: training loss over the last epochs (all peers) is below that of the first epochs
     history = sorted(

@@ -1,0 +1,158 @@
+"""swarm/averagers.py on real hivemind DHTs and averager processes on 127.0.0.1: a group closes as soon as every
+expected peer is in it, packed buffers average to the exact mean, and a failed round steps on the peer's own
+gradient instead of zeros."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from functools import partial
+
+import hivemind
+import pytest
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.compression import CompressionInfo, TensorRole
+from hivemind.optim.grad_averager import GradientAverager
+
+from swarm import averagers
+from swarm.procs import remove_stale_sockets, start_group, stop_group
+
+PROGRESS_ONLY = """
+import sys, time, hivemind
+from hivemind.optim.progress_tracker import ProgressTracker
+dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=sys.argv[1:])
+tracker = ProgressTracker(dht, "pytest-rounds-fail", target_batch_size=8, start=True)
+tracker.report_local_progress(0, 1)
+while True:
+    time.sleep(1)
+"""
+MATCHMAKING = 30.0  # far longer than any test waits: a round that finishes sooner closed its group early
+
+
+@pytest.fixture
+def dhts():
+    started = time.time()
+    averagers.install()
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    nodes = [first]
+
+    def more(n: int) -> list[hivemind.DHT]:
+        while len(nodes) < n:
+            nodes.append(
+                hivemind.DHT(
+                    start=True,
+                    host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                    initial_peers=[str(a) for a in first.get_visible_maddrs()],
+                )
+            )
+        return nodes[:n]
+
+    yield more
+    for node in nodes:
+        node.shutdown()
+    remove_stale_sockets(since=started, settle=1.0)
+
+
+def _state(seed: int) -> tuple[list[torch.Tensor], list[CompressionInfo]]:
+    """A state like the state averager's: parameters, then Adam statistics, of mixed sizes and dtypes."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(64,), (64, 64), (3,), (10, 64), (1, 65, 64), (7,)]
+    params = [torch.randn(*s, generator=gen) for s in shapes]
+    stats = [torch.rand(*s, generator=gen) for s in shapes]
+    extra = [torch.randn(5, generator=gen).double()]
+    infos = [CompressionInfo.from_tensor(t, key=i, role=TensorRole.PARAMETER) for i, t in enumerate(params)]
+    infos += [CompressionInfo.from_tensor(t, key=(i, "m"), role=TensorRole.OPTIMIZER) for i, t in enumerate(stats)]
+    infos += [CompressionInfo.from_tensor(t, key=99, role=TensorRole.UNSPECIFIED) for t in extra]
+    return params + stats + extra, infos
+
+
+def test_group_closes_when_full_and_packed_buffers_average_exactly(dhts):
+    nodes = dhts(3)
+    states = [_state(seed) for seed in range(3)]
+    expected = [sum(ts) / 3 for ts in zip(*(s for s, _ in states), strict=True)]
+    cls = averagers.packing(DecentralizedAverager)
+    assert cls.__name__ == "DecentralizedAverager"  # p2p handler names come from the class name
+    group = [
+        cls(
+            tensors,
+            dht=node,
+            prefix="pytest-rounds-state",
+            tensor_infos=infos,
+            min_matchmaking_time=MATCHMAKING,
+            request_timeout=1.5,
+            start=True,
+        )
+        for node, (tensors, infos) in zip(nodes, states, strict=True)
+    ]
+    try:
+        for averager in group:
+            averagers.set_target_group_size(averager, 3)
+        began = time.perf_counter()
+        controls = [a.step(wait=False, timeout=MATCHMAKING + 10) for a in group]
+        results = [c.result(timeout=MATCHMAKING - 5) for c in controls]
+        spent = time.perf_counter() - began
+        assert all(len(r) == 3 for r in results), results
+        assert spent < MATCHMAKING - 5, spent
+        for averager in group:
+            with averager.get_tensors() as got:
+                for g, e in zip(got, expected, strict=True):
+                    assert g.dtype == e.dtype
+                    torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
+    finally:
+        for averager in group:
+            averager.shutdown()
+
+
+def test_failed_round_steps_on_own_gradient_not_zeros(dhts):
+    """Peer A's swarm has a second peer B that reports progress but never averages: A's gradient round fails,
+    and hivemind.Optimizer proceeds with local gradients. The SGD step (lr 1, no momentum) must move A's
+    parameters by A's own mean gradient; hivemind's own averager moved them by zero."""
+    (node_a,) = dhts(1)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    before = [p.detach().clone() for p in net.parameters()]
+    opt_a = hivemind.Optimizer(
+        dht=node_a,
+        run_id="pytest-rounds-fail",
+        params=net.parameters(),
+        optimizer=partial(torch.optim.SGD, lr=1.0),
+        target_batch_size=8,
+        batch_size_per_step=4,
+        matchmaking_time=2.0,
+        averaging_timeout=4.0,
+        averager_opts={"request_timeout": 1.5},
+        grad_averager_factory=averagers.round_averager(partial(GradientAverager, request_timeout=1.5)),
+    )
+    # B (another process: progress records are signed with a process-wide key) only announces progress, as a
+    # peer that is busy or stuck would; A counts it, so A tries to average with it
+    peer_b = start_group(
+        [sys.executable, "-c", PROGRESS_ONLY, *map(str, node_a.get_visible_maddrs())],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 60
+        while opt_a.tracker.global_progress.num_peers < 2 and time.time() < deadline:
+            opt_a.tracker.report_local_progress(0, 1)  # a tracker reports once it has samples
+            time.sleep(0.2)
+        assert opt_a.tracker.global_progress.num_peers == 2, peer_b.poll()
+        grads = []
+        for step in range(4):  # the round ends once A and B have 8 samples (or hivemind's ETA says so)
+            x = torch.randn(4, 4, generator=torch.Generator().manual_seed(step))
+            net.zero_grad()
+            net(x).pow(2).sum().backward()
+            grads.append([p.grad.detach().clone() for p in net.parameters()])
+            opt_a.step()
+            if opt_a.local_epoch == 1:
+                break
+        assert opt_a.local_epoch == 1
+        assert opt_a.grad_averager.local_fallbacks == 1
+        own = [sum(g) / len(grads) for g in zip(*grads, strict=True)]
+        for p, b, g in zip(net.parameters(), before, own, strict=True):
+            torch.testing.assert_close(p.detach(), b - g, rtol=1e-5, atol=1e-6)
+    finally:
+        stop_group(peer_b, grace=10.0)
+        opt_a.shutdown()

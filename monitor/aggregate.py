@@ -10,9 +10,10 @@ still count within that window.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 
-from swarm.metrics import LocalMetrics
+from swarm.metrics import ROUND_PARTS, LocalMetrics
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class EpochPoint:
     val_loss: float | None = None
     val_acc: float | None = None
     val_samples: int = 0
+    rounds: dict[str, float] = field(default_factory=dict)  # part -> median seconds over reporting peers
+    local_steps: int = 0  # peers whose gradient round failed (they stepped on their own gradient)
 
 
 def aggregate(epoch: int, records: list[LocalMetrics], peers: int) -> EpochPoint:
@@ -44,7 +47,13 @@ def aggregate(epoch: int, records: list[LocalMetrics], peers: int) -> EpochPoint
         with_loss = [r for r in vals if r.val_loss is not None]
         n_loss = sum(r.val_samples for r in with_loss)
         val_loss = sum(r.val_loss * r.val_samples for r in with_loss) / n_loss if n_loss else None
-    return EpochPoint(epoch, peers, sps, loss, val_loss, val_acc, n_val)
+    rounds = {}
+    for part in ROUND_PARTS:
+        values = [getattr(r, f"round_{part}") for r in records if getattr(r, f"round_{part}") is not None]
+        if values:
+            rounds[part] = statistics.median(values)
+    local = sum(bool(r.round_local) for r in records)
+    return EpochPoint(epoch, peers, sps, loss, val_loss, val_acc, n_val, rounds, local)
 
 
 class EpochAggregator:

@@ -12,7 +12,17 @@ from pathlib import Path
 from monitor.aggregate import EpochPoint
 from swarm.config import ExperimentConfig
 from swarm.logbook import read_run, write_hparams
-from swarm.metrics import SWARM_EPOCH, SWARM_PEERS, SWARM_SPS, TRAIN_LOSS, VAL_ACC, VAL_ACC_TOP5, VAL_LOSS
+from swarm.metrics import (
+    ROUND_LOCAL,
+    ROUND_TAGS,
+    SWARM_EPOCH,
+    SWARM_PEERS,
+    SWARM_SPS,
+    TRAIN_LOSS,
+    VAL_ACC,
+    VAL_ACC_TOP5,
+    VAL_LOSS,
+)
 
 log = logging.getLogger(__name__)
 EVAL_PREFIX = "monitor/"
@@ -62,6 +72,10 @@ class Board:
             add(VAL_ACC, point.val_acc, step)
         if point.val_loss is not None:
             add(VAL_LOSS, point.val_loss, step)
+        for part, seconds in point.rounds.items():
+            add(ROUND_TAGS[part], seconds, step)
+        if point.rounds:
+            add(ROUND_LOCAL, point.local_steps, step)
         self.writer.flush()
         self.last_step = step
         return True

@@ -126,6 +126,9 @@ class SwarmReporter(L.Callback):
             "time": time.time(),
             "bytes_sent": self.strategy.bytes_sent,  # cumulative, in averaging rounds
         }
+        clock = self.strategy.clock
+        if clock is not None and clock.rounds and clock.rounds[-1]["epoch"] == epoch:
+            entry["round"] = clock.rounds[-1]
         val: dict[str, Any] = {}
         if self.stop.event.is_set():  # leaving on a signal: no evaluation, no DHT traffic, just go
             self.history.append(entry)
@@ -169,6 +172,7 @@ class SwarmReporter(L.Callback):
             val_acc=val.get("acc"),
             val_samples=int(val.get("samples", 0)),
             target_batch_size=self.cfg.swarm.target_batch_size,
+            **_round_fields(entry.get("round")),
         )
         try:
             metrics.publish(
@@ -259,6 +263,14 @@ class SwarmReporter(L.Callback):
             **self._diloco_summary(),
             "seconds": time.time() - self.started if hasattr(self, "started") else 0.0,
         }
+
+
+def _round_fields(record: dict[str, Any] | None) -> dict[str, Any]:
+    """The metrics record's round_* fields from one swarm/rounds.py record (none without one)."""
+    if record is None:
+        return {}
+    fields = {f"round_{part}": float(record[part]) for part in metrics.ROUND_PARTS}
+    return {**fields, "round_local": record["outcome"] == "local"}
 
 
 def _load_resume(cfg: ExperimentConfig, module: SwarmClassifier) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
-from pydantic.v1 import BaseModel, StrictFloat, StrictInt, confloat, conint, constr
+from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictInt, confloat, conint, constr
 
 if TYPE_CHECKING:
     import hivemind
@@ -23,6 +23,10 @@ TRAIN_LOSS, TRAIN_SPS = "train/loss", "train/samples_per_second"
 VAL_LOSS, VAL_ACC, VAL_ACC_TOP5 = "val/loss", "val/acc", "val/acc_top5"
 SWARM_PEERS, SWARM_EPOCH, SWARM_SPS = "swarm/peers", "swarm/global_epoch", "swarm/samples_per_second"
 SYS_GPU_MEM, SYS_GPU_UTIL = "sys/gpu_mem_gb", "sys/gpu_util"
+# the end of a round, split (swarm/rounds.py): median over the peers that reported the epoch, in seconds
+ROUND_PARTS = ("end", "matchmaking", "allreduce", "state", "update")
+ROUND_TAGS = {part: f"round/{part}_seconds" for part in ROUND_PARTS}
+ROUND_LOCAL = "round/local_steps"  # peers whose gradient round failed and who stepped on their own gradient
 
 
 def metrics_key(run_id: str) -> str:
@@ -45,6 +49,12 @@ class LocalMetrics(BaseModel):
     val_acc: confloat(ge=0.0, le=1.0, strict=True) | None = None
     val_samples: conint(ge=0, strict=True) = 0
     target_batch_size: conint(ge=1, strict=True) | None = None
+    round_end: confloat(ge=0.0, strict=True) | None = None
+    round_matchmaking: confloat(ge=0.0, strict=True) | None = None
+    round_allreduce: confloat(ge=0.0, strict=True) | None = None
+    round_state: confloat(ge=0.0, strict=True) | None = None
+    round_update: confloat(ge=0.0, strict=True) | None = None
+    round_local: StrictBool | None = None
 
 
 def config_key(run_id: str) -> str:

@@ -1,6 +1,6 @@
-"""swarm/averagers.py on real hivemind DHTs and averager processes on 127.0.0.1: a group closes as soon as every
-expected peer is in it, packed buffers average to the exact mean, and a failed round steps on the peer's own
-gradient instead of zeros."""
+"""swarm/averagers.py on real hivemind DHTs and averager processes on 127.0.0.1: a group closes as soon as
+every expected peer is in it, packed buffers average to the exact mean, and a failed round steps on the
+peer's own gradient instead of zeros."""
 
 from __future__ import annotations
 
@@ -63,7 +63,9 @@ def _state(seed: int) -> tuple[list[torch.Tensor], list[CompressionInfo]]:
     stats = [torch.rand(*s, generator=gen) for s in shapes]
     extra = [torch.randn(5, generator=gen).double()]
     infos = [CompressionInfo.from_tensor(t, key=i, role=TensorRole.PARAMETER) for i, t in enumerate(params)]
-    infos += [CompressionInfo.from_tensor(t, key=(i, "m"), role=TensorRole.OPTIMIZER) for i, t in enumerate(stats)]
+    infos += [
+        CompressionInfo.from_tensor(t, key=(i, "m"), role=TensorRole.OPTIMIZER) for i, t in enumerate(stats)
+    ]
     infos += [CompressionInfo.from_tensor(t, key=99, role=TensorRole.UNSPECIFIED) for t in extra]
     return params + stats + extra, infos
 

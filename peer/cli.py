@@ -17,6 +17,7 @@ from typing import Any
 
 import click
 
+from peer.bench import SCENARIOS as BENCH_SCENARIOS
 from swarm.config import AVERAGING, DATASETS, DEVICES, PRECISIONS, STRATEGIES, ConfigError, build_config
 
 
@@ -480,7 +481,7 @@ if __name__ == "__main__":
 @click.option(
     "--scenario",
     "scenarios",
-    type=click.Choice(["all", "scaling", "comm", "join", "parity", "step"]),
+    type=click.Choice(["all", *BENCH_SCENARIOS]),
     multiple=True,
     default=("all",),
     show_default=True,
@@ -500,6 +501,7 @@ if __name__ == "__main__":
 )
 @click.option("--peers", type=click.IntRange(2), default=2, show_default=True, help="scaling: K workers.")
 @click.option("--step-batch", type=click.IntRange(1), default=256, show_default=True, help="step: batch.")
+@click.option("--seeds", type=click.IntRange(1), default=3, show_default=True, help="parity: seeds.")
 @click.option(
     "--peak-tflops", type=float, default=None, help="step: the GPU's dense bf16 peak, if not known."
 )
@@ -513,25 +515,18 @@ def bench(
     peers: int,
     step_batch: int,
     peak_tflops: float | None,
+    seeds: int,
 ) -> None:
     """Measure on 127.0.0.1: swarm vs DDP scaling, bytes and accuracy per compression mode, a newcomer's join
     time, swarm vs one process at equal batch, and the GPU training step.
 
     Prints a table and appends JSON lines to --out; see the README's "Performance" section.
     """
-    from peer.bench import SCENARIOS, run_bench
+    from peer.bench import Options, run_bench
 
-    chosen = list(SCENARIOS) if "all" in scenarios else list(dict.fromkeys(scenarios))
-    run_bench(
-        chosen,
-        Path(out),
-        Path(work_dir),
-        samples=samples,
-        local_steps=local_steps,
-        peers=peers,
-        step_batch=step_batch,
-        peak_tflops=peak_tflops,
-    )
+    chosen = list(BENCH_SCENARIOS) if "all" in scenarios else list(dict.fromkeys(scenarios))
+    opts = Options(samples, local_steps, peers, step_batch, peak_tflops, seeds)
+    run_bench(chosen, Path(out), Path(work_dir), opts)
 
 
 @main.command("bench-donor", hidden=True)
@@ -539,6 +534,6 @@ def bench(
 @click.option("--prefix", required=True)
 def bench_donor(model_name: str, prefix: str) -> None:
     """The peer that serves its state in `bench --scenario join` (started by the bench itself)."""
-    from peer.bench import serve_state
+    from peer.bench.join import serve_state
 
     serve_state(model_name, prefix)

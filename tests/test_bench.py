@@ -9,7 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from peer.bench import measure_step, peak_flops
+from peer.bench.step import measure_step, peak_flops
 from peer.cli import main
 
 
@@ -47,3 +47,15 @@ def test_step_scenario_skips_cleanly_without_a_gpu(tmp_path):
     assert result.exit_code == 0, result.output
     assert "step: skipped, no CUDA GPU here" in result.output
     assert not out.exists() or not [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_every_scenario_is_a_module_with_run_and_table():
+    from peer.bench import SCENARIOS, scenario
+
+    for name in SCENARIOS:
+        module = scenario(name)
+        assert callable(module.run) and module.summary_table([]) == "", name
+    with pytest.raises(ValueError, match="unknown bench scenario"):
+        scenario("nope")
+    result = CliRunner().invoke(main, ["bench", "--scenario", "nope"])
+    assert result.exit_code == 2 and "'nope' is not one of" in result.output

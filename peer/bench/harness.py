@@ -1,0 +1,184 @@
+"""The bench's harness: the measurement log (JSON lines), peers and local runs as subprocesses, tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from swarm.procs import start_group, stop_group
+
+JOIN_RE = re.compile(r"swarm-peer join --initial-peers (\S+)")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the CLI's options set for the scenarios (each reads the ones it needs)."""
+
+    samples: int = 4096
+    local_steps: int = 50
+    peers: int = 2
+    step_batch: int = 256
+    peak_tflops: float | None = None
+    seeds: int = 3
+
+
+def fmt(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def machine() -> str:
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{platform.node()}: {os.cpu_count()} CPUs, {gpu}, torch {torch.__version__}"
+
+
+@dataclass
+class Bench:
+    out: Path
+    work: Path
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def record(self, row: dict[str, Any]) -> None:
+        row = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(), **row}
+        self.rows.append(row)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        with self.out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+# ---- peers as subprocesses -----------------------------------------------------------------------------
+class Peer:
+    def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.log = (log_dir / f"{name}.log").open("w")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = start_group(
+            [sys.executable, "-m", "peer", *args], stdout=self.log, stderr=subprocess.STDOUT, env=env
+        )
+        self.log_path = log_dir / f"{name}.log"
+
+    def join_address(self, timeout: float) -> str:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            found = JOIN_RE.search(self.log_path.read_text())
+            if found:
+                return found.group(1)
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} printed no join line; see {self.log_path}")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        stop_group(self.proc, grace=15)
+        self.log.close()
+
+
+def summary(log_dir: Path, run: str, name: str) -> dict[str, Any]:
+    return json.loads((log_dir / run / "volunteer" / name / "summary.json").read_text())
+
+
+def swarm(
+    bench: Bench,
+    run: str,
+    peers: int,
+    args: list[str],
+    env: dict[str, str] | None = None,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """A bootstrap peer and ``peers`` training peers (``swarm-peer join`` with ``args``, and config fields
+    from ``env`` as SWARM_<FIELD> variables); their summaries. Peer i shuffles with seed ``seed * 100 + i``.
+
+    Starting through a bootstrap (a DHT node that does not train) means no trainer runs ahead alone while
+    the others start."""
+    common = ["--config", "demo", "--run-id", run, "--log-dir", str(bench.work)]
+    boot = Peer(f"{run}-bootstrap", ["bootstrap", *common], bench.work)
+    started = [boot]
+    try:
+        address = boot.join_address(timeout=120)
+        for i in range(peers):
+            name = f"p{i + 1}"
+            started.append(
+                Peer(
+                    f"{run}-{name}",
+                    [
+                        "join",
+                        *common,
+                        "--initial-peers",
+                        address,
+                        "--peer-name",
+                        name,
+                        "--seed",
+                        str(seed * 100 + i + 1),
+                        "--threads",
+                        "1",
+                        "--eval-every",
+                        "100000",
+                        "--log-every",
+                        "10",
+                        *args,
+                    ],
+                    bench.work,
+                    env,
+                )  # fmt: skip
+            )
+        codes = [p.wait(timeout=1800) for p in started[1:]]
+    finally:
+        for p in started:
+            p.stop()
+    if any(codes):
+        raise RuntimeError(f"{run}: a peer failed (exit codes {codes}); logs in {bench.work}")
+    return [summary(bench.work, run, f"p{i + 1}") for i in range(peers)]
+
+
+def local(
+    bench: Bench, run: str, strategy: str, devices: int, args: list[str], env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """``swarm-peer local`` (Lightning; gloo on the CPU) in its own process group; its summary."""
+    log_dir = bench.work / "local"
+    proc = Peer(
+        f"{run}-{strategy}",
+        ["local", "--config", "demo", "--run-id", run, "--log-dir", str(log_dir), "--strategy", strategy,
+         "--devices", str(devices), "--device", "cpu", "--threads", "1", "--eval-every", "100000", *args],
+        bench.work,
+        env,
+    )  # fmt: skip
+    code = proc.wait(timeout=1800)
+    if code:
+        raise RuntimeError(f"local {strategy}: exit code {code}; see {proc.log_path}")
+    found = sorted((log_dir / run).glob(f"{strategy}*/summary.json"), key=lambda p: p.stat().st_mtime)
+    return json.loads(found[-1].read_text())
+
+
+def peer_rate(s: dict[str, Any]) -> float:
+    """A peer's samples/s over its training windows (validation excluded, averaging waits included)."""
+    done = [h for h in s["history"] if h["mini_steps"] and h["samples_per_second"]]
+    return sum(h["samples"] for h in done) / max(s["train_seconds"], 1e-9)  # the summary's sum of windows
+
+
+def rounds(s: dict[str, Any]) -> int:
+    return max(s["final_epoch"] - (s.get("loaded_epoch") or 0), 1)
+
+
+def table(rows: list[dict[str, Any]], scenario: str, header: list[str], cells: Any) -> str:
+    """A markdown table of the rows of ``scenario`` ("" if none): ``cells(row)`` gives one line's cells."""
+    rows = [r for r in rows if r["scenario"] == scenario]
+    if not rows:
+        return ""
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in cells(r)) + " |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,96 @@
+"""``parity``: a 2-peer swarm with target batch B against one process with batch B, for the same samples and
+global batch, over several seeds."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from peer.bench.harness import Bench, Options, fmt, local, swarm, table
+
+
+def run(bench: Bench, opts: Options, target: int = 128, batch: int = 32) -> None:
+    """Two peers with target batch B (``batch`` per step each) against one process with batch B, for the
+    same number of samples, once per seed (the initial weights and the data order); validation accuracy of
+    the final parameters on the whole validation set, mean and standard deviation over the seeds."""
+    epochs = max(2, opts.samples // target)
+    stamp = int(time.time())
+    shared = ["--target-batch-size", str(target), "--max-epochs", str(epochs)]
+    swarm_accs, single_accs = [], []
+    for seed in range(opts.seeds):
+        init = {"SWARM_INIT_SEED": str(seed)}  # the same initial weights for the swarm and the process
+        run = f"bench-parity-{stamp}-{seed}"
+        peers = swarm(bench, f"{run}-swarm", 2, ["--batch-size", str(batch), *shared], init, seed=seed)
+        alone = ["--batch-size", str(target), *shared, "--seed", str(seed)]
+        single = local(bench, run, "single", 1, alone, init)
+        accs = [s["final_val"]["acc"] for s in peers if s.get("final_val")]
+        curve = single.get("val_curve") or []
+        swarm_accs.append(sum(accs) / len(accs) if accs else float("nan"))
+        single_accs.append(curve[-1][2] if curve else float("nan"))
+        print(
+            f"parity seed {seed}: 2-peer swarm val acc {fmt(swarm_accs[-1])}, "
+            f"one process {fmt(single_accs[-1])}",
+            flush=True,
+        )
+    bench.record(
+        {
+            "scenario": "parity",
+            "target_batch_size": target,
+            "swarm_batch_per_step": batch,
+            "global_epochs": epochs,
+            "samples": epochs * target,
+            "seeds": opts.seeds,
+            "swarm_val_acc": _mean(swarm_accs),
+            "swarm_val_acc_std": _std(swarm_accs),
+            "swarm_val_acc_per_seed": swarm_accs,
+            "single_val_acc": _mean(single_accs),
+            "single_val_acc_std": _std(single_accs),
+            "single_val_acc_per_seed": single_accs,
+        }
+    )
+    r = bench.rows[-1]
+    print(
+        f"parity: {r['samples']} samples in {epochs} global epochs of {target}, {opts.seeds} seeds; "
+        f"2-peer swarm val acc {fmt(r['swarm_val_acc'])} +- {fmt(r['swarm_val_acc_std'])}, "
+        f"one process (batch {target}) {fmt(r['single_val_acc'])} +- {fmt(r['single_val_acc_std'])}",
+        flush=True,
+    )
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _std(xs: list[float]) -> float:
+    import statistics
+
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def summary_table(rows: list[dict[str, Any]]) -> str:
+    def diff(r: dict[str, Any]) -> str:
+        if r["swarm_val_acc"] is None or r["single_val_acc"] is None:
+            return "-"
+        return f"{100 * (r['swarm_val_acc'] - r['single_val_acc']):+.1f} points"
+
+    header = [
+        "target batch B",
+        "samples",
+        "seeds",
+        "2-peer swarm val acc (mean +- sd)",
+        "one process (batch B) val acc (mean +- sd)",
+        "difference",
+    ]
+    return table(
+        rows,
+        "parity",
+        header,
+        lambda r: [
+            r["target_batch_size"],
+            r["samples"],
+            r.get("seeds", 1),
+            f"{fmt(r['swarm_val_acc'])} +- {fmt(r.get('swarm_val_acc_std'))}",
+            f"{fmt(r['single_val_acc'])} +- {fmt(r.get('single_val_acc_std'))}",
+            diff(r),
+        ],
+    )

@@ -1,0 +1,129 @@
+"""``scaling``: K swarm peers against K-rank DDP (gloo) and one process, all through the real CLI, with the
+demo model, 32 samples per worker and step, and a global batch of 2048 (64 per-step batches): samples/s, the
+ratios, and the time that ends each round (median, and split in summary.json). Then the same swarm with
+hivemind's own matchmaking (groups wait ``matchmaking_time``), then DiLoCo with H local steps over 10 outer
+rounds."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from peer.bench.harness import Bench, Options, fmt, local, peer_rate, rounds, swarm, table
+
+
+def run(bench: Bench, opts: Options, batch: int = 32, per_round: int = 64) -> None:
+    """K peers vs K-rank DDP vs one process: the demo model, ``batch`` per worker, ``per_round`` per-step
+    batches per global epoch (so that each worker computes per_round / K steps between two averagings)."""
+    peers, local_steps = opts.peers, opts.local_steps
+    target = per_round * batch
+    epochs = 10
+    stamp = int(time.time())
+    shared = ["--batch-size", str(batch), "--target-batch-size", str(target), "--max-epochs", str(epochs)]
+    single = local(bench, f"bench-scaling-{stamp}", "single", 1, shared)
+    ddp = local(bench, f"bench-scaling-{stamp}", "ddp", peers, shared)
+    grads = swarm(bench, f"bench-scaling-swarm-{stamp}", peers, shared)
+    # the same with hivemind's own matchmaking: a group waits the whole matchmaking_time before it averages
+    waiting = swarm(bench, f"bench-scaling-wait-{stamp}", peers, shared, {"SWARM_CLOSE_GROUPS": "0"})
+    diloco_target = peers * local_steps * batch
+    diloco_rounds = 10
+    diloco = swarm(
+        bench,
+        f"bench-scaling-diloco-{stamp}",
+        peers,
+        ["--batch-size", str(batch), "--target-batch-size", str(diloco_target), "--max-epochs",
+         str(diloco_rounds), "--averaging", "diloco", "--local-steps", str(local_steps)],
+    )  # fmt: skip
+    single_sps, ddp_sps = single["samples_per_second"], ddp["samples_per_second"]
+    runs = (("swarm", grads, target), ("swarm-wait", waiting, target), ("diloco", diloco, diloco_target))
+    for name, sums, tgt in runs:
+        sps = sum(peer_rate(s) for s in sums)
+        rounds_done = max(rounds(s) for s in sums)
+        train = sum(s["train_seconds"] for s in sums) / len(sums)
+        ends = sum(s["round_end_seconds"] for s in sums) / len(sums)
+        bench.record(
+            {
+                "scenario": "scaling",
+                "mode": name,
+                "workers": peers,
+                "batch_per_worker": batch,
+                "target_batch_size": tgt,
+                "local_steps": local_steps if name == "diloco" else None,
+                "global_epochs": rounds_done,
+                "samples_per_second": round(sps, 1),
+                "samples_per_second_per_peer": [round(peer_rate(s), 1) for s in sums],
+                "ddp_samples_per_second": round(ddp_sps, 1),
+                "single_samples_per_second": round(single_sps, 1),
+                "vs_ddp": round(sps / ddp_sps, 3),
+                "vs_k_single": round(sps / (peers * single_sps), 3),
+                "ddp_vs_k_single": round(ddp_sps / (peers * single_sps), 3),
+                # per global epoch and peer: the steps that ended a round (waiting for the swarm, matchmaking,
+                # all-reduce, update) against all the rest (forward, backward, local optimizer steps)
+                "seconds_per_round": round(train / rounds_done, 3),
+                "round_end_seconds_per_round": round(ends / rounds_done, 3),
+                "single_seconds_per_round": round(tgt / single_sps, 3),
+                "round_end_seconds_median": _median_end(sums),
+                "local_fallback_steps": sum(s.get("local_fallback_steps", 0) for s in sums),
+                "close_groups": name != "swarm-wait",
+                "diloco_waiting_seconds_per_round": round(
+                    sum(s.get("seconds_waiting_for_the_swarm", 0.0) for s in sums) / len(sums) / rounds_done,
+                    3,
+                )
+                if name == "diloco"
+                else None,
+            }
+        )
+        print(line(bench.rows[-1]), flush=True)
+
+
+def line(r: dict[str, Any]) -> str:
+    return (
+        f"scaling {r['mode']:>13} x{r['workers']}: {r['samples_per_second']:.1f} samples/s; DDP "
+        f"{r['ddp_samples_per_second']:.1f}, one process {r['single_samples_per_second']:.1f}; "
+        f"vs DDP {r['vs_ddp']:.2f}x, vs {r['workers']} x single {r['vs_k_single']:.2f}x; per round "
+        f"{r['seconds_per_round']:.2f} s of which {r['round_end_seconds_per_round']:.2f} s ending it (median "
+        f"{fmt(r['round_end_seconds_median'], 2)} s)"
+    )
+
+
+def summary_table(rows: list[dict[str, Any]]) -> str:
+    names = {"swarm-wait": "swarm, groups wait matchmaking_time (hivemind's default)"}
+    header = [
+        "mode",
+        "workers",
+        "target batch",
+        "samples/s",
+        "DDP samples/s",
+        "one process samples/s",
+        "vs DDP",
+        "vs K x one",
+        "s per round",
+        "of which ending the round",
+        "median round end",
+    ]
+    return table(
+        rows,
+        "scaling",
+        header,
+        lambda r: [
+            f"diloco H={r['local_steps']}" if r["mode"] == "diloco" else names.get(r["mode"], r["mode"]),
+            r["workers"],
+            r["target_batch_size"],
+            r["samples_per_second"],
+            r["ddp_samples_per_second"],
+            r["single_samples_per_second"],
+            f"{r['vs_ddp']:.2f}",
+            f"{r['vs_k_single']:.2f}",
+            f"{r['seconds_per_round']:.2f}",
+            f"{r['round_end_seconds_per_round']:.2f}",
+            fmt(r["round_end_seconds_median"], 2),
+        ],  # fmt: skip
+    )
+
+
+def _median_end(sums: list[dict[str, Any]]) -> float | None:
+    """The median over all peers' rounds of the time that ended a round (swarm/rounds.py)."""
+    import statistics
+
+    ends = [r["end"] for s in sums for r in s.get("rounds", [])]
+    return round(statistics.median(ends), 3) if ends else None

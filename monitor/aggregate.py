@@ -27,19 +27,26 @@ class EpochPoint:
     val_loss: float | None = None
     val_acc: float | None = None
     val_samples: int = 0
+    train_records: int = 1  # records that reported training at this epoch (0: only validations seen)
     rounds: dict[str, float] = field(default_factory=dict)  # part -> median seconds over reporting peers
     local_steps: int = 0  # peers whose gradient round failed (they stepped on their own gradient)
 
 
-def aggregate(epoch: int, records: list[LocalMetrics], peers: int) -> EpochPoint:
-    """Sum samples/s over peers, weight the loss by samples and validation figures by validation samples."""
+def aggregate(
+    epoch: int, records: list[LocalMetrics], peers: int, vals: list[LocalMetrics] | None = None
+) -> EpochPoint:
+    """Sum samples/s over peers, weight the loss by samples and validation figures by validation samples.
+
+    ``vals``: records (of this epoch or later ones) that carry a validation of ``epoch``; by default the
+    validations among ``records``."""
     sps = sum(r.samples_per_second for r in records)
     weighted = [
         (r.loss, r.samples_accumulated) for r in records if r.mini_steps > 0 and r.samples_accumulated
     ]
     total = sum(n for _, n in weighted)
     loss = sum(v * n for v, n in weighted) / total if total else None
-    vals = [r for r in records if r.val_epoch == epoch and r.val_samples > 0 and r.val_acc is not None]
+    vals = [r for r in (records if vals is None else vals) if r.val_epoch == epoch and r.val_samples > 0]
+    vals = [r for r in vals if r.val_acc is not None]
     n_val = sum(r.val_samples for r in vals)
     val_loss = val_acc = None
     if n_val:
@@ -53,7 +60,7 @@ def aggregate(epoch: int, records: list[LocalMetrics], peers: int) -> EpochPoint
         if values:
             rounds[part] = statistics.median(values)
     local = sum(bool(r.round_local) for r in records)
-    return EpochPoint(epoch, peers, sps, loss, val_loss, val_acc, n_val, rounds, local)
+    return EpochPoint(epoch, peers, sps, loss, val_loss, val_acc, n_val, len(records), rounds, local)
 
 
 class EpochAggregator:
@@ -63,6 +70,7 @@ class EpochAggregator:
         self.settle_time = settle_time
         self.after_epoch = after_epoch  # epochs <= this were written before (a restarted monitor)
         self.pending: dict[int, dict[bytes, LocalMetrics]] = {}
+        self.vals: dict[int, dict[bytes, LocalMetrics]] = {}  # by validated epoch: records that carry it
         self.first_seen: dict[bytes, int] = {}
         self.latest: dict[bytes, int] = {}
         self.newest_epoch = -1
@@ -80,6 +88,11 @@ class EpochAggregator:
             if epoch > self.after_epoch:
                 self.pending.setdefault(epoch, {})[key] = record
                 self.seen_at.setdefault(epoch, now)
+            val_epoch = record.val_epoch
+            if val_epoch is not None and val_epoch > self.after_epoch and record.val_samples > 0:
+                self.vals.setdefault(val_epoch, {})[key] = record
+                self.pending.setdefault(val_epoch, {})  # a point even if its own records were missed
+                self.seen_at.setdefault(val_epoch, now)
         # a peer whose record expired has left: it no longer counts for later epochs
         for key in list(self.latest):
             if key not in records:
@@ -109,6 +122,7 @@ class EpochAggregator:
             peers = self._peers_at(epoch)
             records = list(self.pending.pop(epoch).values())
             self.seen_at.pop(epoch, None)
-            out.append(aggregate(epoch, records, peers))
+            vals = list(self.vals.pop(epoch, {}).values())
+            out.append(aggregate(epoch, records, peers, vals))
             self.after_epoch = epoch
         return out

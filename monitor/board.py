@@ -64,7 +64,8 @@ class Board:
             return False
         step, add = point.epoch, self.writer.add_scalar
         add(SWARM_PEERS, point.peers, step)
-        add(SWARM_SPS, point.samples_per_second, step)
+        if point.train_records:
+            add(SWARM_SPS, point.samples_per_second, step)
         add(SWARM_EPOCH, point.epoch, step)
         if point.loss is not None:
             add(TRAIN_LOSS, point.loss, step)

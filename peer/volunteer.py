@@ -67,6 +67,10 @@ class SwarmReporter(L.Callback):
         self.start_checksum = param_checksum(module)
         self.checksums[self.epoch] = self.start_checksum
         self.initial_val = self.run_validation(module, self.epoch)
+        reason = self._stop_reason()
+        if reason:  # e.g. the swarm's state it loaded is already at max_epochs: no step alone beyond it
+            log.info("%s before training; leaving the swarm", reason)
+            trainer.should_stop = True
         self.next_log = time.time() + self.cfg.train.log_every
         self.line_samples, self.line_start = 0, time.time()
         self._reset_window()
@@ -157,8 +161,12 @@ class SwarmReporter(L.Callback):
         return self.last_val
 
     def _publish(self, entry: dict[str, Any], val: dict[str, Any]) -> None:
+        """Store this epoch's record. It carries the latest validation until the next one: a record lives
+        only until the peer's next epoch, and a monitor that polls less often than epochs end would
+        otherwise miss most validations."""
         from hivemind.utils import get_dht_time
 
+        val = val or self.last_val or {}
         record = metrics.LocalMetrics(
             peer_name=self.peer_name[:64],
             global_epoch=entry["epoch"],

@@ -22,6 +22,11 @@
    finished (a failed round leaves the tensors as they were). Not with size-dependent compression
    (``int8`` would then quantize small tensors with large ones), and not for PowerSGD, which averages
    matrices on its own.
+4. **A newcomer never downloads a torn state.** hivemind's state averager hands its live tensors to the
+   averager process, which serializes them after the lock is released, and hivemind.Optimizer runs the
+   local update without that lock (``reuse_tensors=False``), so a download could catch a donor's update
+   half-applied. :func:`install` makes the state averager copy its state under the lock, and
+   :func:`lock_updates` holds the lock while the optimizer updates.
 
 The subclasses keep hivemind's class names: the p2p handlers' names are built from the class name, and must
 match those of other peers.
@@ -56,7 +61,7 @@ def install() -> None:
     if not hasattr(DecentralizedAverager, "_swarm_set_target_group_size"):
         DecentralizedAverager._swarm_set_target_group_size = _set_target_group_size_here
     # hivemind.Optimizer builds its state averager from this module-level name
-    optimizer.TrainingStateAverager = packing(state_averager.TrainingStateAverager)
+    optimizer.TrainingStateAverager = _state_averager_class(state_averager.TrainingStateAverager)
 
 
 def set_target_group_size(averager: Any, size: int | None) -> None:
@@ -103,6 +108,54 @@ class _PacksParts:
                 for i, part in zip(idx, buf.split([tensors[i].numel() for i in idx]), strict=True):
                     tensors[i].copy_(part.view_as(tensors[i]))
         return result
+
+
+@cache
+def _state_averager_class(base: type) -> type:
+    def get_current_state(self: Any) -> tuple[Any, list[torch.Tensor], list[Any]]:
+        """hivemind's get_current_state (optim/state_averager.py), with copies taken under the lock."""
+        from itertools import chain
+
+        from hivemind.compression import CompressionInfo, TensorRole
+        from hivemind.optim.state_averager import dump_optimizer_state
+
+        with torch.no_grad(), self.lock_averaged_tensors:
+            params = [
+                p.detach().to("cpu", copy=True) for g in self.optimizer.param_groups for p in g["params"]
+            ]
+            extra = [t.detach().to("cpu", copy=True) for t in self.extra_tensors]
+            opt_metadata, opt_tensors = dump_optimizer_state(self.optimizer)
+            opt_tensors = [t.clone() for t in opt_tensors]
+            epoch = self.local_epoch
+        infos = [
+            CompressionInfo.from_tensor(p, key=k, role=TensorRole.PARAMETER)
+            for p, k in zip(params, self.parameter_names, strict=True)
+        ]
+        infos += [
+            CompressionInfo.from_tensor(t, key=i, role=TensorRole.UNSPECIFIED) for i, t in enumerate(extra)
+        ]
+        infos += [
+            CompressionInfo.from_tensor(t, key=i, role=TensorRole.OPTIMIZER)
+            for i, t in enumerate(opt_tensors)
+        ]
+        metadata = dict(epoch=epoch, group_bits=self.get_group_bits(), optimizer_metadata=opt_metadata)
+        return metadata, list(chain(params, extra, opt_tensors)), infos
+
+    attrs = {"__module__": __name__, "get_current_state": get_current_state}
+    return type(base.__name__, (_PacksParts, base), attrs)
+
+
+def lock_updates(state_averager: Any, optimizer: torch.optim.Optimizer) -> list[Any]:
+    """Hold ``state_averager``'s tensor lock while ``optimizer`` updates (item 4); returns the hooks."""
+    lock = state_averager.lock_averaged_tensors
+
+    def acquire(*args: Any) -> None:
+        lock.acquire()
+
+    def release(*args: Any) -> None:
+        lock.release()
+
+    return [optimizer.register_step_pre_hook(acquire), optimizer.register_step_post_hook(release)]
 
 
 @cache

@@ -23,6 +23,15 @@ def setup_logging(verbose: bool = False, quiet: bool = False) -> None:
         root.addHandler(handler)
     root.setLevel(level)
     quiet_libraries()
+    quiet_hivemind(verbose)
+
+
+def quiet_hivemind(verbose: bool = False) -> None:
+    """hivemind at WARNING with one-line errors, and no asyncio noise at exit (pending tasks, closed loops).
+
+    The CLI calls it through :func:`setup_logging`; ``HivemindStrategy`` calls it too, so that a script that
+    uses the strategy directly gets the same console. ``verbose`` keeps hivemind's INFO lines and tracebacks.
+    """
     if not verbose:
         sys.unraisablehook = _log_unraisable
         if not getattr(sys.excepthook, "_swarm", False):
@@ -75,9 +84,15 @@ class OneLineErrors(logging.Filter):
     hivemind logs expected network events (a peer left mid-round) with full tracebacks; to a user that
     reads like a crash of their own peer."""
 
+    EXPECTED = ("AllreduceException", "MatchmakingException", "CancelledError", "TimeoutError")
+
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and record.exc_info[1] is not None:
             exc = record.exc_info[1]
+            if record.levelno >= logging.ERROR and type(exc).__name__ in self.EXPECTED:
+                # an averaging round that found no group or lost a peer: the swarm goes on (the strategy logs
+                # what the step used instead), so this is a warning, not an error of this peer
+                record.levelno, record.levelname = logging.WARNING, "WARNING"
             record.msg = f"{record.getMessage()} ({type(exc).__name__}: {exc})"
             record.args = ()
             record.exc_info = None

@@ -41,6 +41,7 @@ from swarm.config import AVERAGING, SwarmConfig
 from swarm.dht import stop_dht
 from swarm.diloco import DiLoCo
 from swarm.guard import StateGuard, all_finite
+from swarm.log import quiet_hivemind
 from swarm.procs import p2p_daemon_alive
 from swarm.rounds import RoundClock
 
@@ -146,6 +147,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         **optimizer_kwargs: Any,
     ) -> None:
         super().__init__(device=device)
+        quiet_hivemind(verbose)
         self.dht, self.run_id = dht, run_id
         self.target_batch_size, self.batch_size = target_batch_size, batch_size
         self.load_state_on_start, self.request_timeout = load_state_on_start, request_timeout
@@ -156,6 +158,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.local_fallback_steps = 0  # failed gradient rounds: this peer stepped on its own gradient
         self.close_groups_early = close_groups_early
         self.clock: RoundClock | None = None
+        self._update_hooks: list[Any] = []
         # wall time of the optimizer steps that ended a global epoch: waiting for the other peers' samples,
         # matchmaking, the all-reduce and the update (the part of a round that is not this peer's compute)
         self.round_end_seconds = 0.0
@@ -285,6 +288,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         if self.diloco is not None:
             self.diloco.attach(self.hivemind_opt)
         self.clock = RoundClock(self.hivemind_opt, swarm_optimizer)
+        # after the guard's and the clock's hooks: the guard's rollback happens under the lock too
+        self._update_hooks = averagers.lock_updates(self.hivemind_opt.state_averager, swarm_optimizer)
         if hasattr(self.hivemind_opt.grad_averager, "on_local_fallback"):
             self.hivemind_opt.grad_averager.on_local_fallback = self._on_local_fallback
         if sigint is not None:
@@ -467,6 +472,8 @@ class HivemindStrategy(SingleDeviceStrategy):
             self.guard.close()
         if self.clock is not None:
             self.clock.close()
+        for hook in self._update_hooks:
+            hook.remove()
         network_alive = p2p_daemon_alive()
         try:
             opt = self.hivemind_opt

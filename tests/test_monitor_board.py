@@ -64,6 +64,24 @@ def test_epochs_are_released_once_in_order_and_peers_counted():
     assert agg.ready(now=40.0) == [], "an epoch is never released twice"
 
 
+def test_a_validation_carried_by_later_records_lands_at_its_epoch_and_rounds_are_medians():
+    """Peers re-send their latest validation until the next one: a monitor that missed the records of the
+    validated epoch (epochs faster than its polls) still logs the validation at that epoch."""
+    agg = EpochAggregator(settle_time=1.0)
+    val = dict(val_epoch=5, val_acc=0.8, val_loss=0.7, val_samples=100)
+    ends = dict(round_end=0.2, round_allreduce=0.05)
+    agg.add(
+        {b"a": rec("a", 6, **val, **ends), b"b": rec("b", 7, **val, round_end=0.4, round_local=True)}, 0.0
+    )
+    agg.add({b"a": rec("a", 8, **val), b"b": rec("b", 8, **val)}, now=1.0)
+    points = {p.epoch: p for p in agg.ready(now=5.0, closing=True)}
+    assert sorted(points) == [5, 6, 7, 8]
+    assert points[5].val_acc == pytest.approx(0.8) and points[5].train_records == 0
+    assert points[6].val_acc is None and points[6].train_records == 1
+    assert points[6].rounds == {"end": 0.2, "allreduce": 0.05} and points[6].local_steps == 0
+    assert points[7].rounds["end"] == pytest.approx(0.4) and points[7].local_steps == 1
+
+
 def test_closing_releases_finished_epochs_only():
     agg = EpochAggregator(settle_time=60.0)
     agg.add({b"a": rec("a", 7), b"b": rec("b", 6)}, now=0.0)

@@ -13,7 +13,7 @@ from swarm.procs import group_members
 from tests.helpers import PeerProcess, port_of, read_summary, synced_epochs
 
 RUN_ID = "pytest-swarm"
-MAX_EPOCHS = 24
+MAX_EPOCHS = 60  # rounds end in a fraction of a second: the late joiner must still find the swarm
 
 
 def _close(a: list[float], b: list[float], rel: float = 1e-6) -> bool:

@@ -27,6 +27,13 @@
    local update without that lock (``reuse_tensors=False``), so a download could catch a donor's update
    half-applied. :func:`install` makes the state averager copy its state under the lock, and
    :func:`lock_updates` holds the lock while the optimizer updates.
+5. **A pre-scheduled round is never cancelled.** hivemind.Optimizer pre-schedules the gradient round when
+   the epoch is near, even with no other peer, and cancels it at the epoch's end when its tracker counts no
+   other peer (optimizer.py, ``_begin_averaging_gradients``). A cancel that lands during matchmaking can
+   leave the averager's matchmaking wedged: in one demo run, from a peer's first round on, every one of its
+   rounds failed after ``averaging_timeout`` ("could not find a group") while the two other peers averaged
+   every 4 s without it. :func:`never_cancel_rounds` schedules rounds only when the tracker sees other peers,
+   and runs (instead of cancelling) a round that was scheduled when it did.
 
 The subclasses keep hivemind's class names: the p2p handlers' names are built from the class name, and must
 match those of other peers.
@@ -156,6 +163,28 @@ def lock_updates(state_averager: Any, optimizer: torch.optim.Optimizer) -> list[
         lock.release()
 
     return [optimizer.register_step_pre_hook(acquire), optimizer.register_step_post_hook(release)]
+
+
+def never_cancel_rounds(opt: Any) -> None:
+    """Item 5 of the module docstring, on one ``hivemind.Optimizer`` instance (wraps two of its methods)."""
+    schedule, begin = opt._maybe_schedule_gradient_averaging, opt._begin_averaging_gradients
+
+    def schedule_with_peers() -> None:
+        if opt.tracker.global_progress.num_peers > 1:
+            schedule()
+
+    def begin_without_cancelling(grad_scaler: Any) -> bool:
+        control = opt.scheduled_grads
+        pending = control is not None and not (control.triggered or control.done())
+        if pending and opt.tracker.global_progress.num_peers <= 1:
+            # the round was scheduled while other peers were seen: run it (if they are gone, it fails at its
+            # deadline and this peer steps on its own gradient) rather than cancel it
+            opt.scheduled_grads = opt.grad_averager.step(control=control, reset_accumulators=True, wait=False)
+            return True
+        return begin(grad_scaler)
+
+    opt._maybe_schedule_gradient_averaging = schedule_with_peers
+    opt._begin_averaging_gradients = begin_without_cancelling
 
 
 @cache

@@ -287,6 +287,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         )
         if self.diloco is not None:
             self.diloco.attach(self.hivemind_opt)
+        averagers.never_cancel_rounds(self.hivemind_opt)
         self.clock = RoundClock(self.hivemind_opt, swarm_optimizer)
         # after the guard's and the clock's hooks: the guard's rollback happens under the lock too
         self._update_hooks = averagers.lock_updates(self.hivemind_opt.state_averager, swarm_optimizer)

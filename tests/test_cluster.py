@@ -26,7 +26,19 @@ from swarm.tuning import largest_batch
 from tests.helpers import PeerProcess, plain_timm_model
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-COMMON = ["--config", "demo", "--device", "cpu", "--threads", "1", "--log-every", "2"]
+# target 128: the batch arithmetic below (accumulation, global batch 120) was written for it
+COMMON = [
+    "--config",
+    "demo",
+    "--device",
+    "cpu",
+    "--threads",
+    "1",
+    "--log-every",
+    "2",
+    "--target-batch-size",
+    "128",
+]
 
 
 @pytest.fixture
@@ -201,7 +213,8 @@ def test_report_on_a_swarm_run_and_a_ddp_run(peers, loopback, tmp_path):
     assert set(rows) >= {"swarm/monitor", "demo/ddp"}, table
     swarm = [c.strip() for c in rows["swarm/monitor"].split("|")[1:-1]]
     ddp_row = [c.strip() for c in rows["demo/ddp"].split("|")[1:-1]]
-    assert swarm[1] == "swarm (hivemind)" and swarm[2] == "2" and swarm[3] == "128" and swarm[5] == "5", swarm
+    # the demo's target batch (configs/demo.yaml)
+    assert swarm[1] == "swarm (hivemind)" and swarm[2] == "2" and swarm[3] == "256" and swarm[5] == "5", swarm
     assert swarm[4] == "n/a" and swarm[9] == "n/a" and swarm[10] == "n/a", "missing figures must read n/a"
     assert 0 <= float(swarm[6]) <= 1 and float(swarm[7]) > 0 and float(swarm[8]) > 0, swarm
     summary = json.loads((log_dir / "demo" / "ddp" / "summary.json").read_text())

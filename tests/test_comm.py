@@ -134,6 +134,9 @@ def test_compression_specs_are_checked():
             parse_compression(bad)
 
 
+OUTER = 40
+
+
 def _diloco_peer(peers, name, run, tmp_path, *extra, seed):
     args = [
         "join",
@@ -172,10 +175,10 @@ def test_diloco_peers_end_each_outer_step_equal_and_a_newcomer_loads_inner_and_o
         peers,
     )
     address = entry.join_address(timeout=120)
-    # 9 outer steps: the late peer (which starts once the swarm is at step 2 and needs ~10 s to come up on a
-    # busy machine) must find the swarm still training; at 6, with rounds that now end in a fraction of a
-    # second, it once arrived after the swarm was gone and started alone (loaded_epoch 0)
-    common = ("--max-epochs", "9", "--initial-peers", address)
+    # 40 outer steps (about 0.7 s each): the late peer (which starts once the swarm is at step 2 and needs
+    # 10 to 25 s to come up on a busy machine) must find the swarm still training; at 6 and at 9, with rounds
+    # that now end in a fraction of a second, it arrived as the swarm left and started alone (loaded_epoch 0)
+    common = ("--max-epochs", str(OUTER), "--initial-peers", address)
     first = _diloco_peer(peers, "first", run, tmp_path, *common, seed=1)
     second = _diloco_peer(peers, "second", run, tmp_path, *common, seed=2)
     second.wait_for(r"\| epoch [2-9] \| peers 2", timeout=180)
@@ -183,12 +186,13 @@ def test_diloco_peers_end_each_outer_step_equal_and_a_newcomer_loads_inner_and_o
     for p in (first, second, late):
         assert p.wait(timeout=300) == 0, f"{p.name}:\n{p.output()[-4000:]}"
     a, b, c = (read_summary(tmp_path, run, n) for n in ("first", "second", "late"))
-    assert a["final_epoch"] == b["final_epoch"] == 9, (a["final_epoch"], b["final_epoch"])
+    assert a["final_epoch"] == b["final_epoch"] == OUTER, (a["final_epoch"], b["final_epoch"])
     # every outer step is the same averaged step on the same anchor: the peers end equal
-    assert a["checksums"]["9"] == pytest.approx(b["checksums"]["9"], rel=1e-6)
+    last, before = str(OUTER), str(OUTER - 1)
+    assert a["checksums"][last] == pytest.approx(b["checksums"][last], rel=1e-6)
     assert a["outer_steps"] >= 3 and b["outer_steps"] >= 3, (a["outer_steps"], b["outer_steps"])
     # and they trained between outer steps: the anchor moved every epoch
-    assert a["checksums"]["9"] != pytest.approx(a["checksums"]["8"], rel=1e-6)
+    assert a["checksums"][last] != pytest.approx(a["checksums"][before], rel=1e-6)
     # the newcomer started from the swarm's anchor with the swarm's outer momentum and inner AdamW moments
     loaded = c["diloco_loaded"]
     assert (

@@ -31,7 +31,7 @@ from swarm.procs import remove_stale_sockets
 from tests.helpers import PeerProcess, plain_timm_model, read_summary
 
 RUN_ID = "pytest-monitor"
-MAX_EPOCHS = 40  # rounds end in a fraction of a second: long enough for the kill, restart and status
+MAX_EPOCHS = 150  # rounds end in about half a second: the swarm must outlive the kill, restart and status
 FORGED_SPS = 1e6
 REJECTED = "Ignoring a DHT record that fails its signature or schema check"
 

@@ -134,7 +134,7 @@ def test_compression_specs_are_checked():
             parse_compression(bad)
 
 
-OUTER = 40
+OUTER = 12
 
 
 def _diloco_peer(peers, name, run, tmp_path, *extra, seed):
@@ -159,9 +159,9 @@ def _diloco_peer(peers, name, run, tmp_path, *extra, seed):
         "--averaging",
         "diloco",
         "--local-steps",
-        "4",
+        "16",
         "--target-batch-size",
-        "256",  # 2 peers x 4 local steps x 32
+        "1024",  # 2 peers x 16 local steps x 32
         *extra,
     ]
     return PeerProcess(name, args, peers)
@@ -175,9 +175,9 @@ def test_diloco_peers_end_each_outer_step_equal_and_a_newcomer_loads_inner_and_o
         peers,
     )
     address = entry.join_address(timeout=120)
-    # 40 outer steps (about 0.7 s each): the late peer (which starts once the swarm is at step 2 and needs
-    # 10 to 25 s to come up on a busy machine) must find the swarm still training; at 6 and at 9, with rounds
-    # that now end in a fraction of a second, it arrived as the swarm left and started alone (loaded_epoch 0)
+    # 12 outer steps of 16 local steps each: the late peer (which starts once the swarm is at step 2 and
+    # needs 10 to 25 s to come up on a busy machine) must find the swarm still training; with 4 local steps
+    # and rounds that now end in a fraction of a second, it arrived as the swarm left (loaded_epoch 0)
     common = ("--max-epochs", str(OUTER), "--initial-peers", address)
     first = _diloco_peer(peers, "first", run, tmp_path, *common, seed=1)
     second = _diloco_peer(peers, "second", run, tmp_path, *common, seed=2)

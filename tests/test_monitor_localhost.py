@@ -149,7 +149,8 @@ def test_monitor_logs_evaluates_checkpoints_and_survives_a_restart(peers, tmp_pa
     assert len(board["val/acc"]) >= 2, board.get("val/acc")
     assert board["swarm/global_epoch"][-1] == (MAX_EPOCHS, MAX_EPOCHS)
     assert max(v for _, v in board["swarm/samples_per_second"]) < FORGED_SPS / 10
-    assert min(v for _, v in board["train/loss"]) > 0.5, "the forged loss of 0.0 never reached TensorBoard"
+    # the forged record says 0.0; the demo now learns (real losses reach about 0.07), so the test is "never 0"
+    assert min(v for _, v in board["train/loss"]) > 0.0, "the forged loss of 0.0 never reached TensorBoard"
     assert (
         len(board["monitor/val/acc"]) >= 2 and "monitor/val/acc_top5" in board and "monitor/val/loss" in board
     )

@@ -84,7 +84,13 @@ class OneLineErrors(logging.Filter):
     hivemind logs expected network events (a peer left mid-round) with full tracebacks; to a user that
     reads like a crash of their own peer."""
 
-    EXPECTED = ("AllreduceException", "MatchmakingException", "CancelledError", "TimeoutError", "GeneratorExit")
+    EXPECTED = (
+        "AllreduceException",
+        "MatchmakingException",
+        "CancelledError",
+        "TimeoutError",
+        "GeneratorExit",
+    )
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and record.exc_info[1] is not None:

@@ -259,12 +259,8 @@ def keeping_local_gradients(base: type) -> type:
 
 
 def round_averager(factory: Any) -> Any:
-    """Wrap a gradient averager factory (a class, or a ``functools.partial`` of one) so that its class
-    keeps this peer's own gradients for a failed round. Other callables are returned unchanged."""
+    """A gradient averager factory (a ``functools.partial`` of a class, as swarm/compression.py makes them)
+    whose class keeps this peer's own gradients for a failed round and packs its all-reduce parts."""
     from functools import partial
 
-    if isinstance(factory, partial) and isinstance(factory.func, type):
-        return partial(keeping_local_gradients(factory.func), *factory.args, **factory.keywords)
-    if isinstance(factory, type):
-        return keeping_local_gradients(factory)
-    return factory
+    return partial(keeping_local_gradients(factory.func), *factory.args, **factory.keywords)

@@ -137,6 +137,7 @@ class ShardedData(L.LightningDataModule):
         super().__init__()
         self.train_set, self.val_set, self.cfg, self.plan, self.seed = train_set, val_set, cfg, plan, seed
         self.batch_size = cfg.data.batch_size  # per device; --batch-size auto changes it before fitting
+        self.passes = 1  # passes over the training set per loader epoch (LocalReporter.setup sets it)
 
     @property
     def per_process(self) -> int:
@@ -153,7 +154,12 @@ class ShardedData(L.LightningDataModule):
             t.global_rank,
             t.world_size,
             self.seed,
+            self.passes,
         )
+
+    def batches_per_pass(self, world_size: int) -> int:
+        """Batches one rank loads per pass over the training set."""
+        return len(self.train_set) // world_size // self.per_process
 
     def train_dataloader(self) -> Any:
         return self._loaders()[0]
@@ -200,13 +206,16 @@ class LocalReporter(L.Callback):
         if self.cfg.cluster.auto_batch_size:
             self._search_batch(trainer, module)
         accumulate = self.plan.accumulation(self.data.batch_size, self.cfg.swarm.target_batch_size)
-        per_process = self.data.per_process
-        batches = len(self.data.train_set) // self.plan.world_size // per_process
-        if batches < accumulate:
+        per_pass = self.data.batches_per_pass(self.plan.world_size)
+        if per_pass < 1:
             raise ConfigError(
-                f"each rank has {batches} batches of {per_process} per pass over the data, fewer than the "
-                f"{accumulate} one global epoch needs; lower --target-batch-size or --batch-size"
+                f"{len(self.data.train_set)} training images are fewer than one batch of "
+                f"{self.data.per_process} per rank on {self.plan.world_size} ranks; lower --batch-size"
             )
+        # a global epoch larger than one pass over a small data set (the digits at target 2048): one loader
+        # epoch holds as many passes as one target batch needs, as a swarm peer's loader simply goes on
+        self.data.passes = -(-accumulate // per_pass)
+        batches = per_pass * self.data.passes
         # Lightning steps the optimizer at the end of every data epoch even mid-accumulation; whole windows
         # only keep one global epoch = one target batch and validation on the optimizer step
         trainer.limit_train_batches = batches // accumulate * accumulate

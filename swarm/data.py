@@ -214,11 +214,35 @@ class PaddedDataset(Dataset):
         return torch.zeros_like(image), -1
 
 
+class RepeatedDataset(Dataset):
+    """``dataset`` ``passes`` times over (item ``i`` is item ``i % len(dataset)``): a loader epoch that holds
+    several passes over a small data set, so that one global epoch (one target batch) fits in it."""
+
+    def __init__(self, dataset: Dataset, passes: int) -> None:
+        self.dataset, self.n, self.passes = dataset, len(dataset), passes
+
+    def __len__(self) -> int:
+        return self.n * self.passes
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.dataset[index % self.n]
+
+
 def shard_loaders(
-    train: Dataset, val: Dataset, cfg: DataConfig, batch_size: int, rank: int, world: int, seed: int
+    train: Dataset,
+    val: Dataset,
+    cfg: DataConfig,
+    batch_size: int,
+    rank: int,
+    world: int,
+    seed: int,
+    passes: int = 1,
 ) -> tuple[DataLoader, DataLoader]:
     """Loaders for one rank of ``world``: disjoint shards through DistributedSampler (the same ``seed`` on
-    every rank; Lightning calls ``set_epoch`` on the sampler every data epoch, which reshuffles)."""
+    every rank; Lightning calls ``set_epoch`` on the sampler every data epoch, which reshuffles). With
+    ``passes`` > 1 one loader epoch goes over the training set that many times, shuffled as a whole."""
+    if passes > 1:
+        train = RepeatedDataset(train, passes)
     train_sampler = DistributedSampler(
         train, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True
     )

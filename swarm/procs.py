@@ -129,16 +129,39 @@ def _bound_unix_paths(exclude_own: bool = False) -> set[str]:
             if target.startswith("socket:["):
                 own.add(target[len("socket:[") : -1])
     paths = set()
-    try:
-        with open("/proc/net/unix") as f:
-            next(f)
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 8 and parts[6] not in own:
-                    paths.add(parts[7])
-    except OSError:
-        pass
+    for table in _unix_tables():
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    if len(parts) >= 8 and parts[6] not in own:
+                        paths.add(parts[7])
+        except (OSError, StopIteration):
+            continue
     return paths
+
+
+def _unix_tables() -> list[str]:
+    """One ``/proc/<pid>/net/unix`` per network namespace that a live process is in.
+
+    /proc/net/unix lists only the sockets of the reader's own namespace, but socket files live in the shared
+    /tmp: a peer that judged by its own table alone would delete the sockets of peers in other namespaces
+    (containers, or the wan bench's namespaces) and cut them off from their p2p daemons."""
+    tables, seen = ["/proc/self/net/unix"], set()
+    try:
+        seen.add(os.readlink("/proc/self/ns/net"))
+    except OSError:
+        return tables
+    for ns in glob.glob("/proc/[0-9]*/ns/net"):
+        try:
+            name = os.readlink(ns)
+        except OSError:
+            continue
+        if name not in seen:
+            seen.add(name)
+            tables.append(ns[: -len("ns/net")] + "net/unix")
+    return tables
 
 
 def stale_sockets(since: float = 0.0, exclude_own: bool = False) -> list[str]:

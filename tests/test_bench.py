@@ -59,3 +59,84 @@ def test_every_scenario_is_a_module_with_run_and_table():
         scenario("nope")
     result = CliRunner().invoke(main, ["bench", "--scenario", "nope"])
     assert result.exit_code == 2 and "'nope' is not one of" in result.output
+
+
+def _wan_unavailable() -> str | None:
+    from peer.bench.netns import unavailable
+
+    return unavailable()
+
+
+@pytest.mark.skipif(_wan_unavailable() is None, reason="checks the skip on a machine without root")
+def test_wan_scenario_says_why_it_skips(tmp_path):
+    out = tmp_path / "bench.jsonl"
+    result = CliRunner().invoke(
+        main, ["bench", "--scenario", "wan", "--out", str(out), "--work-dir", str(tmp_path / "w")]
+    )
+    assert result.exit_code == 0, result.output
+    assert f"wan: skipped, {_wan_unavailable()}" in result.output
+    assert not out.exists() or not out.read_text().strip()
+
+
+def _send_through(lab, megabytes: float) -> float:
+    """Seconds to send ``megabytes`` over TCP from the lab's namespace 1 to a server in namespace 0."""
+    import subprocess
+    import sys
+
+    server = (
+        "import socket,sys\n"
+        "s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        f"s.bind(('{lab.address(0)}', 5557)); s.listen(1); print('ready', flush=True)\n"
+        "c,_=s.accept(); n=0\n"
+        "while (d := c.recv(1 << 16)): n += len(d)\n"
+        "print(n, flush=True)\n"
+    )
+    client = (
+        "import socket,time\n"
+        f"s=socket.create_connection(('{lab.address(0)}', 5557)); t=time.perf_counter()\n"
+        f"s.sendall(b'x' * {int(megabytes * 1e6)}); s.shutdown(socket.SHUT_WR); s.recv(1); s.close()\n"
+        "print(time.perf_counter() - t)\n"
+    )
+    srv = subprocess.Popen([*lab.prefix(0), sys.executable, "-c", server], stdout=subprocess.PIPE, text=True)
+    try:
+        assert srv.stdout.readline().strip() == "ready"
+        sent = subprocess.run(
+            [*lab.prefix(1), sys.executable, "-c", client],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        assert int(srv.stdout.readline()) == int(megabytes * 1e6)
+        return float(sent.stdout)
+    finally:
+        srv.kill()
+        srv.wait()
+
+
+@pytest.mark.skipif(_wan_unavailable() is not None, reason=f"wan: {_wan_unavailable()}")
+def test_wan_links_are_shaped_and_peers_train_across_them(tmp_path):
+    from peer.bench import wan
+    from peer.bench.harness import Bench, Options
+    from peer.bench.netns import Lab
+
+    with Lab(2, 20, tag=f"t{tmp_path.name[-4:]}") as lab:
+        # 4 MB at 20 Mbit/s cannot take less than 1.6 s on any machine; on loopback it takes milliseconds
+        assert _send_through(lab, 4.0) >= 1.55
+    bench = Bench(out=tmp_path / "bench.jsonl", work=tmp_path / "w")
+    bench.work.mkdir()
+    wan.run(bench, Options(wan_mbit=20), modes=("int8",), samples=4096)  # 16 rounds: the first few run alone
+    (row,) = bench.rows
+    assert row["scenario"] == "wan" and row["mode"] == "int8" and row["mbit_per_second"] == 20
+    assert row["global_epochs"] == 16 and row["bytes_sent_per_peer"] > 0, row
+    (boot,) = bench.work.glob("bench-wan-int8-*-bootstrap.log")
+    assert "--initial-peers /ip4/10.213.0.1/tcp/" in boot.read_text(), (
+        "peers join through the lab's addresses"
+    )
+    assert not [line for line in _netns_list() if "swarmlab" in line], "the lab's namespaces were deleted"
+
+
+def _netns_list() -> list[str]:
+    import subprocess
+
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines()

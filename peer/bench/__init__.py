@@ -9,6 +9,8 @@ scenario; :data:`SCENARIOS` is the registry that the CLI's ``--scenario`` choice
 * ``parity``: a 2-peer swarm with target batch B against one process with batch B, over several seeds.
 * ``step`` (CUDA only): samples/s and model FLOPs utilisation of the ViT-B/32 training step, 224x224, bf16.
 * ``join``: a newcomer downloads ViT-B/32's state from a peer, against reading it from a checkpoint.
+* ``wan`` (root only): peers in network namespaces behind 20 Mbit/s links; time to a fixed val acc with
+  fp32 and int8 gradient averaging and DiLoCo + int8, against one process.
 
 Peers run as subprocesses of this command, in their own process groups, and are stopped when it ends.
 """
@@ -23,7 +25,14 @@ from typing import Any
 
 from peer.bench.harness import Bench, Options
 
-SCENARIOS = ("scaling", "comm", "join", "parity", "step")  # each a module of this package: run() and table
+SCENARIOS = (
+    "scaling",
+    "comm",
+    "join",
+    "parity",
+    "step",
+    "wan",
+)  # each a module of this package: run() and table
 
 
 def scenario(name: str) -> Any:

@@ -11,9 +11,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from swarm.procs import start_group, stop_group
+
+if TYPE_CHECKING:
+    from peer.bench.netns import Lab
 
 JOIN_RE = re.compile(r"swarm-peer join --initial-peers (\S+)")
 
@@ -28,6 +31,7 @@ class Options:
     step_batch: int = 256
     peak_tflops: float | None = None
     seeds: int = 3
+    wan_mbit: float = 20.0
 
 
 def fmt(x: float | None, digits: int = 3) -> str:
@@ -57,13 +61,21 @@ class Bench:
 
 # ---- peers as subprocesses -----------------------------------------------------------------------------
 class Peer:
-    def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
+    ) -> None:
+        """``swarm-peer <args>`` in its own process group, logging to ``<log_dir>/<name>.log``; ``prefix``
+        wraps the command (``ip netns exec <ns>`` for a peer in a network namespace)."""
         self.name = name
         self.log = (log_dir / f"{name}.log").open("w")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = start_group(
-            [sys.executable, "-m", "peer", *args], stdout=self.log, stderr=subprocess.STDOUT, env=env
-        )
+        cmd = [*(prefix or []), sys.executable, "-m", "peer", *args]
+        self.proc = start_group(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.log_path = log_dir / f"{name}.log"
 
     def join_address(self, timeout: float) -> str:
@@ -99,19 +111,29 @@ def swarm(
     args: list[str],
     env: dict[str, str] | None = None,
     seed: int = 0,
+    lab: Lab | None = None,
 ) -> list[dict[str, Any]]:
     """A bootstrap peer and ``peers`` training peers (``swarm-peer join`` with ``args``, and config fields
     from ``env`` as SWARM_<FIELD> variables); their summaries. Peer i shuffles with seed ``seed * 100 + i``.
+    With a ``lab`` (peer/bench/netns.py), the bootstrap runs in its namespace 0 and peer i in namespace i.
 
     Starting through a bootstrap (a DHT node that does not train) means no trainer runs ahead alone while
     the others start."""
     common = ["--config", "demo", "--run-id", run, "--log-dir", str(bench.work)]
-    boot = Peer(f"{run}-bootstrap", ["bootstrap", *common], bench.work)
+
+    def place(i: int) -> tuple[list[str], list[str]]:  # (command prefix, listen address) of process i
+        if lab is None:
+            return [], []
+        return lab.prefix(i), ["--host-maddr", f"/ip4/{lab.address(i)}/tcp/0"]
+
+    prefix, listen = place(0)
+    boot = Peer(f"{run}-bootstrap", ["bootstrap", *common, *listen], bench.work, prefix=prefix)
     started = [boot]
     try:
         address = boot.join_address(timeout=120)
         for i in range(peers):
             name = f"p{i + 1}"
+            prefix, listen = place(i + 1)
             started.append(
                 Peer(
                     f"{run}-{name}",
@@ -130,10 +152,12 @@ def swarm(
                         "100000",
                         "--log-every",
                         "10",
+                        *listen,
                         *args,
                     ],
                     bench.work,
                     env,
+                    prefix,
                 )  # fmt: skip
             )
         codes = [p.wait(timeout=1800) for p in started[1:]]

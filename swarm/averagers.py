@@ -34,6 +34,13 @@
    rounds failed after ``averaging_timeout`` ("could not find a group") while the two other peers averaged
    every 4 s without it. :func:`never_cancel_rounds` schedules rounds only when the tracker sees other peers,
    and runs (instead of cancelling) a round that was scheduled when it did.
+6. **Progress is reported a few times a second, not on every step.** hivemind's progress tracker stores a
+   signed record in the DHT after every local step (progress_tracker.py, ``report_local_progress`` sets
+   ``should_report_progress``, and ``_progress_reporter`` stores on each set), while other peers fetch
+   progress at most every ``min_refresh_period`` (0.5 s). With the demo model a peer takes 60 to 80 steps a
+   second, and the stores kept each peer's DHT process at 26 % of a core and its p2p daemon at 11 % on a
+   2-core machine, CPU taken from training. :func:`throttle_progress_reports` sends a new epoch at once and
+   otherwise at most one record per ``interval``; the last count of a burst is sent when the interval ends.
 
 The subclasses keep hivemind's class names: the p2p handlers' names are built from the class name, and must
 match those of other peers.
@@ -42,6 +49,8 @@ match those of other peers.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from functools import cache
 from typing import Any
 
@@ -163,6 +172,50 @@ def lock_updates(state_averager: Any, optimizer: torch.optim.Optimizer) -> list[
         lock.release()
 
     return [optimizer.register_step_pre_hook(acquire), optimizer.register_step_post_hook(release)]
+
+
+class _ThrottledReports(threading.Event):
+    """The tracker's ``should_report_progress``: set at once for a new epoch, otherwise at most once per
+    ``interval`` seconds (a set that comes too early is carried out by a timer when the interval ends)."""
+
+    def __init__(self, tracker: Any, interval: float) -> None:
+        super().__init__()
+        self.tracker, self.interval = tracker, interval
+        self.last, self.last_epoch = -float("inf"), None
+        self.timer: threading.Timer | None = None
+        self.guard = threading.Lock()
+        self.fired = 0  # records this peer asked the tracker to store
+
+    def set(self) -> None:
+        with self.guard:
+            now, epoch = time.monotonic(), self.tracker.local_progress.epoch
+            if epoch != self.last_epoch or now - self.last >= self.interval:
+                self._fire(now, epoch)
+            elif self.timer is None:
+                self.timer = threading.Timer(self.last + self.interval - now, self._deferred)
+                self.timer.daemon = True
+                self.timer.start()
+
+    def _deferred(self) -> None:
+        with self.guard:
+            self.timer = None
+            self._fire(time.monotonic(), self.tracker.local_progress.epoch)
+
+    def _fire(self, now: float, epoch: int) -> None:
+        self.last, self.last_epoch = now, epoch
+        self.fired += 1
+        super().set()
+
+
+def throttle_progress_reports(tracker: Any, interval: float) -> None:
+    """Item 6 of the module docstring, on one running ``ProgressTracker`` (``interval`` 0 leaves it be)."""
+    if interval <= 0 or isinstance(tracker.should_report_progress, _ThrottledReports):
+        return
+    previous, throttled = tracker.should_report_progress, _ThrottledReports(tracker, interval)
+    if previous.is_set():
+        throttled.set()
+    tracker.should_report_progress = throttled
+    previous.set()  # wakes the reporter from its wait on the old event; from its next turn it waits on ours
 
 
 def never_cancel_rounds(opt: Any) -> None:

@@ -142,6 +142,9 @@ class SwarmConfig:
     close_groups: bool = True
     """Start an averaging round as soon as every peer that reports progress has joined the group, instead
     of waiting the whole matchmaking_time (hivemind's default; false restores it, for comparisons)."""
+    report_every: float = 0.25
+    """Seconds between two of this peer's progress records in the DHT within a global epoch (peers read
+    them at most every 0.5 s); hivemind stores one after every step, which costs CPU (0 restores that)."""
     compression: str = "none"
     """How tensors travel: 'none', 'fp16', 'int8' or 'powersgd:<rank>' (see swarm/compression.py)."""
     averaging: str = "gradients"
@@ -186,6 +189,7 @@ class SwarmConfig:
             f"more seconds than request_timeout={self.request_timeout} (hivemind may deadlock otherwise)",
         )
         _check(self.linger >= 0, "linger", self.linger, "seconds >= 0")
+        _check(self.report_every >= 0, "report_every", self.report_every, "seconds >= 0")
         _check(
             self.average_state_every >= 1, "average_state_every", self.average_state_every, "an integer >= 1"
         )

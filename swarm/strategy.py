@@ -114,6 +114,8 @@ class HivemindStrategy(SingleDeviceStrategy):
             ``outer_lr`` and ``outer_momentum`` on the averaged pseudo-gradient).
         close_groups_early: close an averaging group as soon as every peer that reports progress is in it
             (hivemind's own default waits the whole ``matchmaking_time``; see swarm/averagers.py).
+        report_every: seconds between two progress records in the DHT within a global epoch (hivemind
+            stores one after every step; 0 restores that). A new epoch is reported at once.
         optimizer_kwargs: passed on to ``hivemind.Optimizer``.
     """
 
@@ -144,6 +146,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         close_groups_early: bool = True,
+        report_every: float = 0.25,
         **optimizer_kwargs: Any,
     ) -> None:
         super().__init__(device=device)
@@ -156,7 +159,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.nonfinite_rollbacks = 0  # global epochs after which the parameters were non-finite
         self.resyncs = 0  # state downloads after a fault
         self.local_fallback_steps = 0  # failed gradient rounds: this peer stepped on its own gradient
-        self.close_groups_early = close_groups_early
+        self.close_groups_early, self.report_every = close_groups_early, report_every
         self.clock: RoundClock | None = None
         self._update_hooks: list[Any] = []
         # wall time of the optimizer steps that ended a global epoch: waiting for the other peers' samples,
@@ -209,6 +212,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             outer_lr=swarm.outer_lr,
             outer_momentum=swarm.outer_momentum,
             close_groups_early=swarm.close_groups,
+            report_every=swarm.report_every,
         )
         return cls(dht=dht, batch_size=batch_size, **{**fields, **kwargs})
 
@@ -288,6 +292,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         if self.diloco is not None:
             self.diloco.attach(self.hivemind_opt)
         averagers.never_cancel_rounds(self.hivemind_opt)
+        averagers.throttle_progress_reports(self.hivemind_opt.tracker, self.report_every)
         self.clock = RoundClock(self.hivemind_opt, swarm_optimizer)
         # after the guard's and the clock's hooks: the guard's rollback happens under the lock too
         self._update_hooks = averagers.lock_updates(self.hivemind_opt.state_averager, swarm_optimizer)

@@ -156,3 +156,18 @@ def test_metrics_record_schema_rejects_wrong_types():
     for bad in ({"global_epoch": "3"}, {"loss": "high"}, {"samples_per_second": -1.0}, {"val_acc": 1.5}):
         with pytest.raises(ValidationError):
             LocalMetrics.parse_obj({**good, **bad})
+
+
+def test_a_loader_epoch_can_hold_several_passes_over_a_small_set():
+    """Cluster mode at a target batch larger than the data set (the scaling bench: 2048 of 1438 digits)."""
+    from torch.utils.data import TensorDataset
+
+    from swarm.data import shard_loaders
+
+    train = TensorDataset(torch.arange(50).float(), torch.arange(50))
+    cfg = DataConfig(num_workers=0)
+    seen = []
+    for rank in range(2):
+        loader, _ = shard_loaders(train, train, cfg, batch_size=5, rank=rank, world=2, seed=0, passes=3)
+        seen += [int(i) for _, labels in loader for i in labels]
+    assert len(seen) == 150 and sorted(seen) == sorted(list(range(50)) * 3)  # every item 3 times, no more

@@ -158,3 +158,45 @@ def test_failed_round_steps_on_own_gradient_not_zeros(dhts):
     finally:
         stop_group(peer_b, grace=10.0)
         opt_a.shutdown()
+
+
+def test_progress_is_reported_a_few_times_a_second_and_the_last_count_arrives(dhts):
+    """hivemind stores a progress record after every step; throttled, a burst of 200 steps in about a second
+    stores a handful, a new epoch goes out at once, and the last count of the burst reaches the DHT."""
+    from hivemind.optim.progress_tracker import ProgressTracker
+
+    (first,) = dhts(1)
+    tracker = ProgressTracker(first, "pytest-rounds-report", target_batch_size=10**6, start=True)
+    try:
+        averagers.throttle_progress_reports(tracker, 0.25)
+        event = tracker.should_report_progress
+        began = time.monotonic()
+        for step in range(1, 201):
+            tracker.report_local_progress(0, step * 32)
+            time.sleep(0.005)
+        seconds = time.monotonic() - began
+        fired = event.fired
+        assert 1 <= fired <= seconds / 0.25 + 2, (fired, seconds)  # not 200
+        tracker.report_local_progress(1, 32)  # a new epoch is not held back
+        assert event.fired == fired + 1
+
+        def latest() -> tuple[int, int] | None:
+            found = first.get(
+                tracker.training_progress_key, latest=True
+            )  # this DHT has the tracker's validators
+            if found is None:
+                return None
+            (entry,) = [v.value for v in found.value.values()]
+            return entry["epoch"], entry["samples_accumulated"]
+
+        deadline = time.time() + 10
+        while latest() != (1, 32) and time.time() < deadline:
+            time.sleep(0.1)
+        assert latest() == (1, 32)
+        tracker.report_local_progress(1, 64)  # within the interval: held back, then sent by the timer
+        deadline = time.time() + 10
+        while latest() != (1, 64) and time.time() < deadline:
+            time.sleep(0.1)
+        assert latest() == (1, 64)
+    finally:
+        tracker.shutdown()

@@ -137,3 +137,19 @@ def test_fp16_amp_with_grad_scaler_on_gpu():
     # the GradScaler skips the overflowing step itself: it is neither applied nor sent
     assert strategy.local_epoch == 3
     assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_all_finite_is_exact_for_nan_inf_and_huge_finite_values():
+    from swarm.guard import all_finite
+
+    tensors = [torch.randn(8, 8) for _ in range(5)] + [torch.randn(3, dtype=torch.float64), torch.arange(4)]
+    assert all_finite(tensors)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for i in (0, 5):
+            broken = [t.clone() for t in tensors]
+            broken[i].view(-1)[1] = bad
+            assert not all_finite(broken), (bad, i)
+    huge = [t.clone() for t in tensors]
+    huge[2][0, 0] = 3e38  # finite, although the squared norm overflows float32
+    assert all_finite(huge)
+    assert all_finite([])

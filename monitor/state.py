@@ -24,7 +24,7 @@ from swarm.checkpoint import (
     save_checkpoint,
 )
 from swarm.config import ExperimentConfig
-from swarm.diloco import inner_state_tensors, outer_optimizer
+from swarm.diloco import shared_state, state_averager_prefix
 from swarm.model import SwarmClassifier
 
 if TYPE_CHECKING:
@@ -45,17 +45,15 @@ class SwarmModel:
         self.optimizer = self.module.configure_optimizers()["optimizer"]
         self.adamw = self.optimizer  # what a checkpoint holds (DiLoCo: the inner optimizer)
         swarm = cfg.swarm
-        extra_tensors: list[torch.Tensor] = []
-        if swarm.averaging == "diloco":  # the swarm shares its anchors, outer momentum and inner AdamW state
-            extra_tensors = inner_state_tensors(self.optimizer)
-            self.optimizer = outer_optimizer(
-                list(self.module.parameters()), swarm.outer_lr, swarm.outer_momentum
-            )
+        # DiLoCo: the swarm shares its anchors (downloaded into this model), outer momentum and inner state
+        self.optimizer, extra_tensors = shared_state(
+            self.adamw, list(self.module.parameters()), swarm.averaging, swarm.outer_lr, swarm.outer_momentum
+        )
         self.averager = TrainingStateAverager(
             dht=dht,
             optimizer=self.optimizer,
             extra_tensors=extra_tensors,
-            prefix=f"{swarm.run_id}_state_averager",  # the prefix hivemind.Optimizer shares state under
+            prefix=state_averager_prefix(swarm.run_id),
             min_matchmaking_time=swarm.matchmaking_time,
             request_timeout=swarm.request_timeout,
             allreduce_timeout=swarm.averaging_timeout,

@@ -19,10 +19,10 @@ from typing import IO
 from swarm import metrics
 from swarm.config import ExperimentConfig
 from swarm.dht import join_command, start_dht, stop_dht
+from swarm.layout import join_address, summary_path
 from swarm.procs import GracefulStop, remove_stale_sockets, start_group, stop_group
 
 log = logging.getLogger(__name__)
-JOIN_PREFIX = "swarm-peer join --initial-peers "
 
 
 def run_bootstrap(cfg: ExperimentConfig, config_name: str | None = None) -> None:
@@ -52,8 +52,9 @@ def _pump(name: str, stream: IO[str], found: dict[str, str], ready: threading.Ev
     """Print a child's output with its name in front; remember the first join line it prints."""
     for line in stream:
         line = line.rstrip("\n")
-        if JOIN_PREFIX in line and "join" not in found:
-            found["join"] = line.split(JOIN_PREFIX, 1)[1].split()[0]
+        address = join_address(line) if "join" not in found else None
+        if address:
+            found["join"] = address
             ready.set()
         print(f"[{name:>9}] {line}", flush=True)
     ready.set()
@@ -72,7 +73,7 @@ def _start(
 def _summarise(cfg: ExperimentConfig, names: list[str]) -> list[dict]:
     out = []
     for name in names:
-        path = Path(cfg.train.log_dir) / cfg.swarm.run_id / "volunteer" / name / "summary.json"
+        path = summary_path(cfg.train.log_dir, cfg.swarm.run_id, name)
         if path.is_file():
             out.append(json.loads(path.read_text()))
     return out

@@ -12,7 +12,6 @@ import logging
 import os
 import socket
 import time
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -24,6 +23,7 @@ from swarm.config import ExperimentConfig, save_config
 from swarm.data import build_datasets, peer_seed, train_loader, val_loader
 from swarm.dht import check_addresses, join_command, start_dht, stop_dht
 from swarm.fingerprint import ConfigPublisher, check_against_swarm
+from swarm.layout import volunteer_dir
 from swarm.log import quiet_libraries
 from swarm.model import SwarmClassifier, autocast_dtype, evaluate, param_checksum, resolve_device
 from swarm.procs import GracefulStop, remove_stale_sockets
@@ -357,7 +357,7 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
         torch.set_num_threads(cfg.train.threads)
     device = resolve_device(cfg.train.device)
     peer_name = cfg.train.peer_name or default_peer_name()
-    out_dir = Path(cfg.train.log_dir) / cfg.swarm.run_id / "volunteer" / peer_name
+    out_dir = volunteer_dir(cfg.train.log_dir, cfg.swarm.run_id, peer_name)
     save_config(cfg, out_dir / "config.yaml")
 
     seed = peer_seed(cfg.data)

@@ -15,6 +15,7 @@ from typing import Any
 import hivemind
 
 from swarm.config import SwarmConfig
+from swarm.layout import join_line
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ def visible_maddrs(dht: hivemind.DHT, allow_loopback: bool | None = None) -> lis
 def join_command(dht: hivemind.DHT, run_id: str | None = None, config: str | None = None) -> str:
     """The exact line a new peer pastes to join this swarm."""
     addrs = [a for a in visible_maddrs(dht) if "/tcp/" in a] or visible_maddrs(dht)
-    line = "swarm-peer join" + "".join(f" --initial-peers {a}" for a in addrs[:1])
+    line = join_line(addrs[0]) if addrs else "swarm-peer join"
     if config:
         line += f" --config {config}"
     if run_id:

@@ -57,6 +57,28 @@ def inner_state_tensors(inner: torch.optim.Optimizer) -> list[torch.Tensor]:
     return tensors
 
 
+def state_averager_prefix(run_id: str) -> str:
+    """The DHT prefix under which a run's state is shared: hivemind.Optimizer names its state averager so
+    (hivemind/optim/optimizer.py:286), and the monitor downloads from the same one."""
+    return f"{run_id}_state_averager"
+
+
+def shared_state(
+    inner: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    averaging: str,
+    outer_lr: float,
+    outer_momentum: float,
+) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
+    """What a run's state averager holds, as (the optimizer whose parameters and state it shares, the extra
+    tensors): with gradient averaging, ``inner`` itself and nothing more; with DiLoCo, the outer SGD over
+    ``params`` (a peer's anchors, or the monitor's model) and the inner AdamW's state. Peers and the monitor
+    build it here, so that a download always matches what the peers share."""
+    if averaging != "diloco":
+        return inner, []
+    return outer_optimizer(params, outer_lr, outer_momentum), inner_state_tensors(inner)
+
+
 def outer_optimizer(params: list[torch.Tensor], lr: float, momentum: float) -> torch.optim.SGD:
     return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
@@ -79,8 +101,7 @@ class DiLoCo:
         self.anchors = [
             torch.nn.Parameter(p.detach().to("cpu", torch.float32, copy=True)) for p in self.params
         ]
-        self.extra_tensors = inner_state_tensors(inner)
-        self.outer = outer_optimizer(self.anchors, outer_lr, outer_momentum)
+        self.outer, self.extra_tensors = shared_state(inner, self.anchors, "diloco", outer_lr, outer_momentum)
         self.should_stop = should_stop
         self.steps = self.samples = 0  # since the last outer step
         self.outer_steps = 0

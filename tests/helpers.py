@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -13,9 +12,11 @@ import threading
 import time
 from pathlib import Path
 
+from swarm import layout
+from swarm.layout import JOIN_RE
 from swarm.procs import group_members, remove_stale_sockets, start_group, stop_group
+from swarm.waiting import wait_until
 
-JOIN_RE = re.compile(r"swarm-peer join --initial-peers (\S+)")
 EPOCH_RE = re.compile(r"\| epoch (\d+) \|")
 
 
@@ -54,20 +55,29 @@ class PeerProcess:
     def output(self) -> str:
         return "\n".join(self.lines)
 
-    def wait_for(self, pattern: str, timeout: float) -> re.Match:
-        """Wait until a line matches ``pattern``; fail with the process's output otherwise."""
+    def wait_for(self, pattern: str, timeout: float, after: float | None = None) -> re.Match:
+        """Wait until a line matches ``pattern`` (only lines read after the time ``after``, if given); fail
+        with the process's output otherwise."""
         regex = re.compile(pattern)
-        deadline = time.time() + timeout
         seen = 0
-        while time.time() < deadline:
-            for line in self.lines[seen:]:
-                match = regex.search(line)
-                if match:
-                    return match
-            seen = max(0, len(self.lines) - 1)
+
+        def match() -> re.Match | None:
+            nonlocal seen
+            lines = list(zip(self.times, self.lines, strict=False))
+            for when, line in lines[seen:]:
+                found = regex.search(line)
+                if found and (after is None or when >= after):
+                    return found
+            seen = len(lines)
             if self.proc.poll() is not None and not self._reader.is_alive():
-                break
-            time.sleep(0.2)
+                raise AssertionError(
+                    f"{self.name} exited; no line matching {pattern!r}:\n" + self.output()[-6000:]
+                )
+            return None
+
+        found = wait_until(match, timeout)
+        if found:
+            return found
         raise AssertionError(
             f"{self.name}: no line matching {pattern!r} within {timeout}s; output:\n" + self.output()[-6000:]
         )
@@ -123,9 +133,7 @@ class PeerProcess:
         files that appeared since this peer started and that no one holds (within 5 s) are removed.
         """
         code = self.wait(timeout=timeout)
-        deadline = time.time() + timeout
-        while group_members(self.pgid) and time.time() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: not group_members(self.pgid), timeout=timeout)
         assert not group_members(self.pgid), f"{self.name}: processes left {group_members(self.pgid)}"
         if code == -signal.SIGKILL:  # a killed process's threads may hold its sockets a moment longer
             remove_stale_sockets(since=self.started, settle=5.0)
@@ -155,7 +163,7 @@ def plain_timm_model(model_cfg):
 
 
 def read_summary(log_dir: Path, run_id: str, peer_name: str) -> dict:
-    return json.loads((log_dir / run_id / "volunteer" / peer_name / "summary.json").read_text())
+    return layout.read_summary(log_dir, run_id, peer_name)
 
 
 def synced_epochs(

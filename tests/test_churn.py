@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from swarm.procs import group_members
+from swarm.waiting import wait_until
 from tests.helpers import EPOCH_RE, PeerProcess
 
 SECONDS = float(os.environ.get("CHURN_SECONDS", 150))
@@ -84,9 +85,7 @@ class Swarm:
         for peer in self.live:
             assert peer.wait(timeout=30) == 0, peer.output()[-3000:]
         self.live = []
-        deadline = time.time() + 30
-        while time.time() < deadline and any(group_members(p.pgid) for p in self.all):
-            time.sleep(0.2)
+        wait_until(lambda: not any(group_members(p.pgid) for p in self.all), timeout=30)
 
 
 def _phase(peers: list, tmp_path: Path, run: str, churn: bool) -> dict:

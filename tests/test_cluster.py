@@ -8,7 +8,6 @@ import json
 import random
 import socket
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from swarm.logbook import read_run
 from swarm.model import evaluate
 from swarm.procs import DistEnv, dist_env
 from swarm.tuning import largest_batch
+from swarm.waiting import wait_until
 from tests.helpers import PeerProcess, plain_timm_model
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -175,9 +175,7 @@ def test_multinode_form_two_torchrun_agents(peers, loopback, tmp_path):
         )
         for rank in (0, 1)
     ]
-    deadline = time.time() + 240
-    while time.time() < deadline and any(a.proc.poll() is None for a in agents):
-        time.sleep(0.5)
+    wait_until(lambda: all(a.proc.poll() is not None for a in agents), timeout=240, interval=0.5)
     codes = [a.proc.poll() for a in agents]
     assert codes == [0, 0], f"exit codes {codes}\n\n" + "\n\n".join(
         f"{a.name}:\n{a.output()[-4000:]}" for a in agents

@@ -13,8 +13,11 @@ import signal
 import time
 from pathlib import Path
 
+import hivemind
 import pytest
 
+from swarm import metrics
+from swarm.waiting import wait_until
 from tests.helpers import PeerProcess, port_of, read_summary, synced_epochs
 
 AVERAGING_TIMEOUT = 15.0  # configs/demo.yaml
@@ -121,10 +124,13 @@ def test_faulty_peer_never_shares_nonfinite_numbers_and_a_mismatched_newcomer_is
 
 
 def _wait_epoch(peer: PeerProcess, epoch: int, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline and peer.epoch() < epoch:
+    def reached() -> bool:
+        if peer.epoch() >= epoch:
+            return True
         assert peer.proc.poll() is None, f"{peer.name} exited:\n{peer.output()[-4000:]}"
-        time.sleep(0.5)
+        return False
+
+    wait_until(reached, timeout=timeout, interval=0.5)
     assert peer.epoch() >= epoch, (
         f"{peer.name} stuck at epoch {peer.epoch()} < {epoch}:\n{peer.output()[-4000:]}"
     )
@@ -190,8 +196,20 @@ def test_a_peer_killed_mid_accumulation_in_matchmaking_or_in_allreduce(peers, tm
         for p in survivors:  # the survivors go on: two more global epochs each
             _wait_epoch(p, epoch + 2, timeout=AVERAGING_TIMEOUT + 90)
 
-    # the dead peers' metrics records expire (20 s in the demo config) and the monitor counts 2 peers again
-    time.sleep(25)
+    # the dead peers' metrics records expire (20 s in the demo config): wait until the DHT holds the two
+    # survivors' records only, and for the monitor to count 2 peers after that
+    reader = hivemind.DHT(
+        start=True,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        initial_peers=[address],
+        record_validators=metrics.make_validators(run)[0],
+    )
+    try:
+        live = wait_until(lambda: len(metrics.fetch(reader, run)) == 2, timeout=60, interval=1.0)
+        assert live, f"records still in the DHT: {[r.peer_name for r in metrics.fetch(reader, run).values()]}"
+    finally:
+        reader.shutdown()
+    monitor.wait_for(r"global epoch \d+ \| peers 2 \|", timeout=60, after=time.time())
     epoch = max(p.epoch() for p in survivors)
     for p in survivors:
         _wait_epoch(p, epoch + 2, timeout=90)

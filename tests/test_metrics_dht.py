@@ -12,6 +12,7 @@ from swarm import metrics
 from swarm.config import SwarmConfig
 from swarm.dht import join_command, start_dht, stop_dht
 from swarm.procs import remove_stale_sockets
+from swarm.waiting import wait_until
 
 RUN_ID = "pytest-metrics"
 
@@ -115,9 +116,7 @@ def test_config_fingerprint_refuses_a_mismatch_and_ignores_forged_records(two_no
     assert check_against_swarm(b, cfg) == 0  # the first peer has nothing to compare with
     publisher = ConfigPublisher(a, cfg, key_a, "a")
     publisher.maybe_publish()
-    deadline = time.time() + 10
-    while time.time() < deadline and check_against_swarm(b, cfg) == 0:
-        time.sleep(0.2)
+    wait_until(lambda: check_against_swarm(b, cfg) != 0, timeout=10)
     assert check_against_swarm(b, cfg) == 1  # same settings: allowed
 
     other = replace(cfg, num_classes=100, model_name="vit_small_patch16_224", batch_size=8)

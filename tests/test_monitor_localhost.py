@@ -28,6 +28,7 @@ from swarm.config import build_config, replace
 from swarm.data import build_datasets, val_loader
 from swarm.model import evaluate, param_checksum
 from swarm.procs import remove_stale_sockets
+from swarm.waiting import wait_until
 from tests.helpers import PeerProcess, plain_timm_model, read_summary
 
 RUN_ID = "pytest-monitor"
@@ -54,13 +55,13 @@ def hostile_nodes(address: str):
     malformer_sig = RSASignatureValidator(RSAPrivateKey())
     malformer = DHT(record_validators=[malformer_sig], **common)
     try:
-        deadline = time.time() + 60
-        victims: list = []
-        while time.time() < deadline and not victims:
+
+        def honest_subkeys() -> list:
             # the forger has no validators, so it cannot strip signatures: read through the other node
             found = malformer.get(key, latest=True, return_future=True).result(timeout=15)
-            victims = list(found.value) if found is not None and isinstance(found.value, dict) else []
-            time.sleep(1)
+            return list(found.value) if found is not None and isinstance(found.value, dict) else []
+
+        victims = wait_until(honest_subkeys, timeout=60, interval=1.0)
         assert victims, "no honest record to forge"
         forged = dict(
             peer_name="forged",

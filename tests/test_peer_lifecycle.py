@@ -8,6 +8,7 @@ import socket
 import time
 
 from swarm.procs import group_members
+from swarm.waiting import wait_until
 from tests.helpers import PeerProcess, read_summary, synced_epochs
 
 VALID_PEER_ID = "12D3KooWJXm34jsMXXj1xRRjuhiorYY6HTTNXCoq5EN1QLAChu4J"
@@ -62,9 +63,7 @@ def test_sigterm_and_sigint_leave_cleanly(peers, tmp_path):
 
     # the survivor keeps training alone, then Ctrl-C stops it just as cleanly
     seen = len(first.lines)
-    deadline = time.time() + 60
-    while time.time() < deadline and not any("| epoch" in line for line in first.lines[seen:]):
-        time.sleep(0.5)
+    wait_until(lambda: any("| epoch" in line for line in first.lines[seen:]), timeout=60, interval=0.5)
     assert any("| epoch" in line for line in first.lines[seen:]), first.output()[-3000:]
     code, seconds = _signal_group_and_time_exit(first, signal.SIGINT, limit=10)
     assert code == 0, first.output()[-3000:]

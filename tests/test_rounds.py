@@ -18,6 +18,7 @@ from hivemind.optim.grad_averager import GradientAverager
 
 from swarm import averagers
 from swarm.procs import remove_stale_sockets, start_group, stop_group
+from swarm.waiting import wait_until
 
 PROGRESS_ONLY = """
 import sys, time, hivemind
@@ -136,10 +137,12 @@ def test_failed_round_steps_on_own_gradient_not_zeros(dhts):
         text=True,
     )
     try:
-        deadline = time.time() + 60
-        while opt_a.tracker.global_progress.num_peers < 2 and time.time() < deadline:
+
+        def both_seen() -> bool:
             opt_a.tracker.report_local_progress(0, 1)  # a tracker reports once it has samples
-            time.sleep(0.2)
+            return opt_a.tracker.global_progress.num_peers >= 2
+
+        wait_until(both_seen, timeout=60)
         assert opt_a.tracker.global_progress.num_peers == 2, peer_b.poll()
         grads = []
         for step in range(4):  # the round ends once A and B have 8 samples (or hivemind's ETA says so)
@@ -189,14 +192,10 @@ def test_progress_is_reported_a_few_times_a_second_and_the_last_count_arrives(dh
             (entry,) = [v.value for v in found.value.values()]
             return entry["epoch"], entry["samples_accumulated"]
 
-        deadline = time.time() + 10
-        while latest() != (1, 32) and time.time() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: latest() == (1, 32), timeout=10, interval=0.1)
         assert latest() == (1, 32)
         tracker.report_local_progress(1, 64)  # within the interval: held back, then sent by the timer
-        deadline = time.time() + 10
-        while latest() != (1, 64) and time.time() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: latest() == (1, 64), timeout=10, interval=0.1)
         assert latest() == (1, 64)
     finally:
         tracker.shutdown()

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import math
 import socket
-import time
 
 from swarm.procs import group_members
+from swarm.waiting import wait_until
 from tests.helpers import PeerProcess, port_of, read_summary, synced_epochs
 
 RUN_ID = "pytest-swarm"
@@ -137,8 +137,6 @@ def test_peers_train_together(peers, tmp_path):
     # nothing is left behind once the peers are done
     code = boot.stop(grace=15)
     assert code == 0, boot.output()[-3000:]
-    deadline = time.time() + 10
-    while time.time() < deadline and any(group_members(p.pgid) for p in peers):
-        time.sleep(0.2)
+    wait_until(lambda: not any(group_members(p.pgid) for p in peers), timeout=10)
     assert not any(group_members(p.pgid) for p in peers)
     assert all(_port_closed(port) for port in ports), ports

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from swarm.layout import JOIN_RE, read_summary
 from swarm.procs import start_group, stop_group
+from swarm.waiting import wait_until
 
 if TYPE_CHECKING:
     from peer.bench.netns import Lab
-
-JOIN_RE = re.compile(r"swarm-peer join --initial-peers (\S+)")
 
 
 @dataclass(frozen=True)
@@ -79,14 +79,15 @@ class Peer:
         self.log_path = log_dir / f"{name}.log"
 
     def join_address(self, timeout: float) -> str:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            found = JOIN_RE.search(self.log_path.read_text())
-            if found:
-                return found.group(1)
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.5)
+        def found() -> re.Match | None:
+            match = JOIN_RE.search(self.log_path.read_text())
+            if match is None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited before it printed its join line; see {self.log_path}")
+            return match
+
+        match = wait_until(found, timeout, interval=0.5)
+        if match:
+            return match.group(1)
         raise RuntimeError(f"{self.name} printed no join line; see {self.log_path}")
 
     def wait(self, timeout: float) -> int:
@@ -101,7 +102,7 @@ class Peer:
 
 
 def summary(log_dir: Path, run: str, name: str) -> dict[str, Any]:
-    return json.loads((log_dir / run / "volunteer" / name / "summary.json").read_text())
+    return read_summary(log_dir, run, name)
 
 
 def swarm(

@@ -1,0 +1,40 @@
+"""Where a run's files live, and the join line every peer prints: one definition for the peers, the demo,
+the bench and the tests.
+
+``<log_dir>/<run_id>/volunteer/<peer>/`` holds a peer's ``config.yaml`` and ``summary.json``;
+``<log_dir>/<run_id>/monitor/`` the monitor's TensorBoard run; ``<log_dir>/<run_id>/<strategy>[-N]/`` a
+local cluster run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+JOIN_PREFIX = "swarm-peer join --initial-peers "
+JOIN_RE = re.compile(re.escape(JOIN_PREFIX) + r"(\S+)")
+
+
+def join_line(address: str) -> str:
+    """The start of the line a new peer pastes (``swarm.dht.join_command`` adds --config and --run-id)."""
+    return JOIN_PREFIX + address
+
+
+def join_address(text: str) -> str | None:
+    """The address of the first join line in ``text`` (a log, or one line of one), or None."""
+    found = JOIN_RE.search(text)
+    return found.group(1) if found else None
+
+
+def volunteer_dir(log_dir: str | Path, run_id: str, peer_name: str) -> Path:
+    return Path(log_dir) / run_id / "volunteer" / peer_name
+
+
+def summary_path(log_dir: str | Path, run_id: str, peer_name: str) -> Path:
+    return volunteer_dir(log_dir, run_id, peer_name) / "summary.json"
+
+
+def read_summary(log_dir: str | Path, run_id: str, peer_name: str) -> dict[str, Any]:
+    return json.loads(summary_path(log_dir, run_id, peer_name).read_text())

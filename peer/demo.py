@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import IO
 
 from swarm import metrics
 from swarm.config import ExperimentConfig
 from swarm.dht import join_command, start_dht, stop_dht
-from swarm.layout import join_address, summary_path
-from swarm.procs import GracefulStop, remove_stale_sockets, start_group, stop_group
+from swarm.layout import summary_path
+from swarm.procs import Child, ChildError, GracefulStop, remove_stale_sockets
 
 log = logging.getLogger(__name__)
 
@@ -48,26 +45,9 @@ def run_bootstrap(cfg: ExperimentConfig, config_name: str | None = None) -> None
         remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
 
 
-def _pump(name: str, stream: IO[str], found: dict[str, str], ready: threading.Event) -> None:
-    """Print a child's output with its name in front; remember the first join line it prints."""
-    for line in stream:
-        line = line.rstrip("\n")
-        address = join_address(line) if "join" not in found else None
-        if address:
-            found["join"] = address
-            ready.set()
-        print(f"[{name:>9}] {line}", flush=True)
-    ready.set()
-
-
-def _start(
-    name: str, cmd: list[str], threads: list[threading.Thread], found: dict[str, str], ready: threading.Event
-) -> subprocess.Popen:
-    proc = start_group(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    thread = threading.Thread(target=_pump, args=(name, proc.stdout, found, ready), daemon=True)
-    thread.start()
-    threads.append(thread)
-    return proc
+def _start(name: str, cmd: list[str]) -> Child:
+    """``cmd`` as a Child (swarm/procs.py) whose lines are printed with its name in front."""
+    return Child(name, cmd, echo=lambda line: print(f"[{name:>9}] {line}", flush=True))
 
 
 def _summarise(cfg: ExperimentConfig, names: list[str]) -> list[dict]:
@@ -132,21 +112,16 @@ def run_demo(cfg: ExperimentConfig, config_name: str, n_peers: int) -> int:
     started = time.time()
     base = [sys.executable, "-m", "peer"]
     common = ["--config", config_name, "--run-id", cfg.swarm.run_id, "--log-dir", cfg.train.log_dir]
-    threads: list[threading.Thread] = []
-    procs: dict[str, subprocess.Popen] = {}
-    found: dict[str, str] = {}
-    ready = threading.Event()
+    procs: dict[str, Child] = {}
     interrupted = False
     codes: dict[str, int | None] = {}
     try:
-        procs["monitor"] = _start(
-            "monitor",
-            base + ["monitor", *common, "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--threads", "1"],
-            threads,
-            found,
-            ready,
+        monitor = procs["monitor"] = _start(
+            "monitor", base + ["monitor", *common, "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--threads", "1"]
         )
-        if not ready.wait(120) or "join" not in found:
+        try:
+            address = monitor.join_address(timeout=120)
+        except ChildError:
             log.error("The monitor did not come up; see its output above")
             return 1
         names = [f"peer{i + 1}" for i in range(n_peers)]
@@ -155,7 +130,7 @@ def run_demo(cfg: ExperimentConfig, config_name: str, n_peers: int) -> int:
                 "join",
                 *common,
                 "--initial-peers",
-                found["join"],
+                address,
                 "--peer-name",
                 name,
                 "--seed",
@@ -167,18 +142,16 @@ def run_demo(cfg: ExperimentConfig, config_name: str, n_peers: int) -> int:
             ]
             if cfg.train.max_epochs is not None:
                 cmd += ["--max-epochs", str(cfg.train.max_epochs)]
-            procs[name] = _start(name, cmd, threads, {}, threading.Event())
-        codes.update({name: procs[name].wait() for name in names})
+            procs[name] = _start(name, cmd)
+        codes.update({name: procs[name].proc.wait() for name in names})
     except KeyboardInterrupt:
         interrupted = True
         print("\nCtrl-C: stopping every peer of the demo ...", flush=True)
     finally:
-        for name, proc in reversed(list(procs.items())):
-            code = stop_group(proc, grace=30.0)  # the monitor finishes its TensorBoard points and checkpoint
+        for name, child in reversed(list(procs.items())):
+            code = child.stop(grace=30.0)  # the monitor finishes its TensorBoard points and checkpoint
             if name == "monitor" and not interrupted:
                 codes[name] = code if code is not None else 0
-        for thread in threads:
-            thread.join(timeout=5)
         remove_stale_sockets(since=started, settle=3.0)
     _print_summary(cfg, _summarise(cfg, [n for n in procs if n != "monitor"]), time.time() - started)
     _print_monitor(cfg)

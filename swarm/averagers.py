@@ -39,8 +39,9 @@
    ``should_report_progress``, and ``_progress_reporter`` stores on each set), while other peers fetch
    progress at most every ``min_refresh_period`` (0.5 s). With the demo model a peer takes 60 to 80 steps a
    second, and the stores kept each peer's DHT process at 26 % of a core and its p2p daemon at 11 % on a
-   2-core machine, CPU taken from training. :func:`throttle_progress_reports` sends a new epoch at once and
-   otherwise at most one record per ``interval``; the last count of a burst is sent when the interval ends.
+   2-core machine, CPU taken from training. :func:`throttle_progress_reports` sends a new epoch at once,
+   and its first samples, otherwise at most one record per ``interval``; the last count of a burst is
+   sent when the interval ends.
 
 The subclasses keep hivemind's class names: the p2p handlers' names are built from the class name, and must
 match those of other peers.
@@ -175,22 +176,28 @@ def lock_updates(state_averager: Any, optimizer: torch.optim.Optimizer) -> list[
 
 
 class _ThrottledReports(threading.Event):
-    """The tracker's ``should_report_progress``: set at once for a new epoch, otherwise at most once per
-    ``interval`` seconds (a set that comes too early is carried out by a timer when the interval ends)."""
+    """The tracker's ``should_report_progress``: set at once for a new epoch and for the epoch's first
+    samples, otherwise at most once per ``interval`` seconds (a set that comes too early is carried out by
+    a timer when the interval ends)."""
 
     def __init__(self, tracker: Any, interval: float) -> None:
         super().__init__()
         self.tracker, self.interval = tracker, interval
-        self.last, self.last_epoch = -float("inf"), None
+        self.last, self.last_key = -float("inf"), None
         self.timer: threading.Timer | None = None
         self.guard = threading.Lock()
         self.fired = 0  # records this peer asked the tracker to store
 
     def set(self) -> None:
         with self.guard:
-            now, epoch = time.monotonic(), self.tracker.local_progress.epoch
-            if epoch != self.last_epoch or now - self.last >= self.interval:
-                self._fire(now, epoch)
+            now, progress = time.monotonic(), self.tracker.local_progress
+            # (epoch, has samples) new: at once. hivemind's reporter stops storing once no record of the
+            # last two epochs carried samples (progress_tracker.py:213-216), and the epoch's first record
+            # (from update_epoch) has none: with epochs shorter than the interval, holding back the first
+            # record with samples made the peer vanish from the others' count, and both stepped alone
+            key = (progress.epoch, progress.samples_accumulated > 0)
+            if key != self.last_key or now - self.last >= self.interval:
+                self._fire(now, key)
             elif self.timer is None:
                 self.timer = threading.Timer(self.last + self.interval - now, self._deferred)
                 self.timer.daemon = True
@@ -199,10 +206,11 @@ class _ThrottledReports(threading.Event):
     def _deferred(self) -> None:
         with self.guard:
             self.timer = None
-            self._fire(time.monotonic(), self.tracker.local_progress.epoch)
+            progress = self.tracker.local_progress
+            self._fire(time.monotonic(), (progress.epoch, progress.samples_accumulated > 0))
 
-    def _fire(self, now: float, epoch: int) -> None:
-        self.last, self.last_epoch = now, epoch
+    def _fire(self, now: float, key: tuple[int, bool]) -> None:
+        self.last, self.last_key = now, key
         self.fired += 1
         super().set()
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import re
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -315,3 +316,93 @@ def dist_env(environ: dict[str, str] | None = None) -> DistEnv:
         node_rank=node_rank,
         torchrun="TORCHELASTIC_RUN_ID" in e,
     )
+
+
+class ChildError(RuntimeError):
+    """A child process did not do what was waited for; the message ends with its latest output."""
+
+
+class Child:
+    """``cmd`` in its own process group (:func:`start_group`), its output collected line by line with the
+    time each line was read, and passed to ``echo`` (print it with a name in front, write it to a log).
+
+    The one launcher of the demo, the bench and the tests."""
+
+    def __init__(
+        self,
+        name: str,
+        cmd: Sequence[str],
+        echo: Callable[[str], None] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.name, self.cmd, self.echo = name, list(cmd), echo
+        self.started = time.time()
+        self.lines: list[str] = []
+        self.times: list[float] = []  # when each line was read (wall clock, as in the peers' summaries)
+        self.proc = start_group(
+            self.cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.times.append(time.time())
+            self.lines.append(line)
+            if self.echo is not None:
+                self.echo(line)
+
+    @property
+    def pgid(self) -> int:
+        return self.proc.pid
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float, after: float | None = None) -> re.Match:
+        """The first line matching ``pattern`` (of those read after the time ``after``, if given); raises
+        ChildError with the latest output if none comes within ``timeout`` or the process ends first."""
+        from swarm.waiting import wait_until
+
+        regex, seen = re.compile(pattern), 0
+
+        def match() -> re.Match | None:
+            nonlocal seen
+            lines = list(zip(self.times, self.lines, strict=False))
+            for when, line in lines[seen:]:
+                found = regex.search(line)
+                if found and (after is None or when >= after):
+                    return found
+            seen = len(lines)
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                tail = self.output()[-6000:]
+                raise ChildError(f"{self.name} exited; no line matching {pattern!r}:\n{tail}")
+            return None
+
+        found = wait_until(match, timeout)
+        if not found:
+            tail = self.output()[-6000:]
+            raise ChildError(f"{self.name}: no line matching {pattern!r} within {timeout}s; output:\n{tail}")
+        return found
+
+    def line_time(self, pattern: str) -> float:
+        """Wall-clock time at which the first line matching ``pattern`` was read."""
+        regex = re.compile(pattern)
+        for when, line in zip(self.times, self.lines, strict=False):
+            if regex.search(line):
+                return when
+        raise ChildError(f"{self.name}: no line matching {pattern!r}; output:\n{self.output()[-4000:]}")
+
+    def join_address(self, timeout: float = 120) -> str:
+        """The address of the join line this process prints (swarm/layout.py)."""
+        from swarm.layout import JOIN_RE
+
+        return self.wait_for(JOIN_RE.pattern, timeout).group(1)
+
+    def stop(self, grace: float = 15.0) -> int | None:
+        """Stop the whole group (:func:`stop_group`); the leader's exit code."""
+        code = stop_group(self.proc, grace=grace)
+        self._reader.join(timeout=5)
+        return code

@@ -8,87 +8,27 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 from swarm import layout
-from swarm.layout import JOIN_RE
-from swarm.procs import group_members, remove_stale_sockets, start_group, stop_group
+from swarm.procs import Child, group_members, remove_stale_sockets
 from swarm.waiting import wait_until
 
 EPOCH_RE = re.compile(r"\| epoch (\d+) \|")
 
 
-class PeerProcess:
-    """A `python -m peer ...` process in its own process group, with its output collected line by line."""
+class PeerProcess(Child):
+    """A `python -m peer ...` process in its own process group (swarm/procs.py's Child), registered so that
+    the test's fixture stops it whatever happens."""
 
     def __init__(
         self, name: str, args: list[str], registry: list[PeerProcess], launcher: list[str] | None = None
     ) -> None:
         """``launcher`` replaces ``python`` in front of ``-m peer`` (e.g. torchrun and its flags)."""
-        self.name, self.args = name, args
-        self.started = time.time()
-        self.lines: list[str] = []
-        self.times: list[float] = []  # when each line was read (wall clock, as in the peers' summaries)
-        self.proc = start_group(
-            [*(launcher or [sys.executable]), "-m", "peer", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-        )
+        self.args = args
+        super().__init__(name, [*(launcher or [sys.executable]), "-m", "peer", *args])
         registry.append(self)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.times.append(time.time())
-            self.lines.append(line.rstrip("\n"))
-
-    @property
-    def pgid(self) -> int:
-        return self.proc.pid
-
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    def wait_for(self, pattern: str, timeout: float, after: float | None = None) -> re.Match:
-        """Wait until a line matches ``pattern`` (only lines read after the time ``after``, if given); fail
-        with the process's output otherwise."""
-        regex = re.compile(pattern)
-        seen = 0
-
-        def match() -> re.Match | None:
-            nonlocal seen
-            lines = list(zip(self.times, self.lines, strict=False))
-            for when, line in lines[seen:]:
-                found = regex.search(line)
-                if found and (after is None or when >= after):
-                    return found
-            seen = len(lines)
-            if self.proc.poll() is not None and not self._reader.is_alive():
-                raise AssertionError(
-                    f"{self.name} exited; no line matching {pattern!r}:\n" + self.output()[-6000:]
-                )
-            return None
-
-        found = wait_until(match, timeout)
-        if found:
-            return found
-        raise AssertionError(
-            f"{self.name}: no line matching {pattern!r} within {timeout}s; output:\n" + self.output()[-6000:]
-        )
-
-    def line_time(self, pattern: str) -> float:
-        """Wall-clock time at which the first line matching ``pattern`` was read."""
-        regex = re.compile(pattern)
-        for when, line in zip(self.times, self.lines, strict=False):
-            if regex.search(line):
-                return when
-        raise AssertionError(f"{self.name}: no line matching {pattern!r}; output:\n" + self.output()[-4000:])
 
     def epoch(self) -> int:
         """The global epoch of this peer's latest progress line (-1 before the first)."""
@@ -97,9 +37,6 @@ class PeerProcess:
             if match:
                 return int(match.group(1))
         return -1
-
-    def join_address(self, timeout: float = 120) -> str:
-        return self.wait_for(JOIN_RE.pattern, timeout).group(1)
 
     def wait(self, timeout: float) -> int:
         try:
@@ -137,11 +74,6 @@ class PeerProcess:
         assert not group_members(self.pgid), f"{self.name}: processes left {group_members(self.pgid)}"
         if code == -signal.SIGKILL:  # a killed process's threads may hold its sockets a moment longer
             remove_stale_sockets(since=self.started, settle=5.0)
-        return code
-
-    def stop(self, grace: float = 15.0) -> int | None:
-        code = stop_group(self.proc, grace=grace)
-        self._reader.join(timeout=5)
         return code
 
 

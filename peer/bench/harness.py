@@ -5,17 +5,14 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from swarm.layout import JOIN_RE, read_summary
-from swarm.procs import start_group, stop_group
-from swarm.waiting import wait_until
+from swarm.layout import read_summary
+from swarm.procs import Child, ChildError
 
 if TYPE_CHECKING:
     from peer.bench.netns import Lab
@@ -60,7 +57,10 @@ class Bench:
 
 
 # ---- peers as subprocesses -----------------------------------------------------------------------------
-class Peer:
+class Peer(Child):
+    """``swarm-peer <args>`` (swarm/procs.py's Child), its output written to ``<log_dir>/<name>.log``;
+    ``prefix`` wraps the command (``ip netns exec <ns>`` for a peer in a network namespace)."""
+
     def __init__(
         self,
         name: str,
@@ -69,26 +69,21 @@ class Peer:
         env: dict[str, str] | None = None,
         prefix: list[str] | None = None,
     ) -> None:
-        """``swarm-peer <args>`` in its own process group, logging to ``<log_dir>/<name>.log``; ``prefix``
-        wraps the command (``ip netns exec <ns>`` for a peer in a network namespace)."""
-        self.name = name
-        self.log = (log_dir / f"{name}.log").open("w")
+        self.log_path = log_dir / f"{name}.log"
+        self.log = self.log_path.open("w")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         cmd = [*(prefix or []), sys.executable, "-m", "peer", *args]
-        self.proc = start_group(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self.log_path = log_dir / f"{name}.log"
+        super().__init__(name, cmd, echo=self._write, env=env)
 
-    def join_address(self, timeout: float) -> str:
-        def found() -> re.Match | None:
-            match = JOIN_RE.search(self.log_path.read_text())
-            if match is None and self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited before it printed its join line; see {self.log_path}")
-            return match
+    def _write(self, line: str) -> None:
+        if not self.log.closed:
+            print(line, file=self.log, flush=True)
 
-        match = wait_until(found, timeout, interval=0.5)
-        if match:
-            return match.group(1)
-        raise RuntimeError(f"{self.name} printed no join line; see {self.log_path}")
+    def join_address(self, timeout: float = 120) -> str:
+        try:
+            return super().join_address(timeout)
+        except ChildError:
+            raise RuntimeError(f"{self.name} printed no join line; see {self.log_path}") from None
 
     def wait(self, timeout: float) -> int:
         try:
@@ -96,9 +91,10 @@ class Peer:
         finally:
             self.stop()
 
-    def stop(self) -> None:
-        stop_group(self.proc, grace=15)
+    def stop(self, grace: float = 15.0) -> int | None:
+        code = super().stop(grace)
         self.log.close()
+        return code
 
 
 def summary(log_dir: Path, run: str, name: str) -> dict[str, Any]:

@@ -4,6 +4,8 @@ averaging round of two gradient averagers on 127.0.0.1, and DiLoCo peers that en
 from __future__ import annotations
 
 import math
+import os
+import signal
 import threading
 import time
 
@@ -13,6 +15,7 @@ import torch
 from swarm import traffic
 from swarm.compression import CompressionError, parse_compression
 from swarm.procs import remove_stale_sockets
+from swarm.waiting import wait_until
 from tests.helpers import PeerProcess, read_summary
 
 
@@ -175,24 +178,43 @@ def test_diloco_peers_end_each_outer_step_equal_and_a_newcomer_loads_inner_and_o
         peers,
     )
     address = entry.join_address(timeout=120)
-    # 12 outer steps of 16 local steps each: the late peer (which starts once the swarm is at step 2 and
-    # needs 10 to 25 s to come up on a busy machine) must find the swarm still training; with 4 local steps
-    # and rounds that now end in a fraction of a second, it arrived as the swarm left (loaded_epoch 0)
-    common = ("--max-epochs", str(OUTER), "--initial-peers", address)
+    # The swarm trains until the newcomer has loaded its state and trained 2 outer steps with it, and only
+    # then is told to leave (SIGTERM, as a reclaimed machine is): with rounds that end in a fraction of a
+    # second, a fixed number of outer steps ended before a newcomer that needs 10 to 30 s to come up on a
+    # busy machine arrived (loaded_epoch 0, "failed to dial": the donors had left).
+    common = ("--max-epochs", "100000", "--initial-peers", address)
     first = _diloco_peer(peers, "first", run, tmp_path, *common, seed=1)
     second = _diloco_peer(peers, "second", run, tmp_path, *common, seed=2)
     second.wait_for(r"\| epoch [2-9] \| peers 2", timeout=180)
     late = _diloco_peer(peers, "late", run, tmp_path, *common, seed=3)
+    joined = int(
+        late.wait_for(r"Loaded the swarm's state from peers: global epoch (\d+)", timeout=180).group(1)
+    )
+    assert wait_until(lambda: late.epoch() >= joined + 2, timeout=120), late.output()[-3000:]
+    signalled_at = time.time()
     for p in (first, second, late):
-        assert p.wait(timeout=300) == 0, f"{p.name}:\n{p.output()[-4000:]}"
+        os.killpg(p.pgid, signal.SIGTERM)
+    for p in (first, second, late):
+        assert p.wait(timeout=60) == 0, f"{p.name}:\n{p.output()[-4000:]}"
     a, b, c = (read_summary(tmp_path, run, n) for n in ("first", "second", "late"))
-    assert a["final_epoch"] == b["final_epoch"] == OUTER, (a["final_epoch"], b["final_epoch"])
-    # every outer step is the same averaged step on the same anchor: the peers end equal
-    last, before = str(OUTER), str(OUTER - 1)
-    assert a["checksums"][last] == pytest.approx(b["checksums"][last], rel=1e-6)
+
+    # every outer step is the same averaged step on the same anchor: the two peers held identical parameters
+    # after one of their last two outer steps before the signal. Compared by value, not by epoch number: a
+    # round that stalls (averaging_timeout) while the newcomer joins can leave the peers' epoch counters one
+    # apart (seen: first's epoch 5 equal to second's epoch 6, both after the same 3-peer round)
+    def recent(s: dict) -> list[list[float]]:
+        done = [
+            h["epoch"]
+            for h in s["history"]
+            if h["time"] <= signalled_at and str(h["epoch"]) in s["checksums"]
+        ]
+        return [s["checksums"][str(e)] for e in done[-2:]]
+
+    mine, theirs = recent(a), recent(b)
+    assert any(x == pytest.approx(y, rel=1e-6) for x in mine for y in theirs), (mine, theirs)
     assert a["outer_steps"] >= 3 and b["outer_steps"] >= 3, (a["outer_steps"], b["outer_steps"])
-    # and they trained between outer steps: the anchor moved every epoch
-    assert a["checksums"][last] != pytest.approx(a["checksums"][before], rel=1e-6)
+    # and they trained between outer steps: the anchor moved
+    assert mine[-1] != pytest.approx(mine[-2], rel=1e-6)
     # the newcomer started from the swarm's anchor with the swarm's outer momentum and inner AdamW moments
     loaded = c["diloco_loaded"]
     assert (

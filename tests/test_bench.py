@@ -128,7 +128,11 @@ def test_wan_links_are_shaped_and_peers_train_across_them(tmp_path):
     wan.run(bench, Options(wan_mbit=20), modes=("int8",), samples=4096)  # 16 rounds: the first few run alone
     (row,) = bench.rows
     assert row["scenario"] == "wan" and row["mode"] == "int8" and row["mbit_per_second"] == 20
-    assert row["global_epochs"] == 16 and row["bytes_sent_per_peer"] > 0, row
+    assert row["global_epochs"] == 16, row
+    # the peers reached each other across the shaped links: they averaged, or one downloaded the other's
+    # state (with 16 epochs of 0.3 s, a peer that comes up 3 s after the other can find it running alone
+    # and only ever catch up by downloads: seen once in a fresh clone, loaded_epoch 3, 0 bytes averaged)
+    assert row["bytes_sent_per_peer"] > 0 or max(row["loaded_epoch_per_peer"]) > 0, row
     (boot,) = bench.work.glob("bench-wan-int8-*-bootstrap.log")
     assert "--initial-peers /ip4/10.213.0.1/tcp/" in boot.read_text(), (
         "peers join through the lab's addresses"

@@ -104,6 +104,7 @@ def run(bench: Bench, opts: Options, modes: tuple[str, ...] = tuple(MODES), samp
                     "final_val_acc": round(sum(accs) / len(accs), 4) if accs else None,
                     "single_final_val_acc": single.get("best_val_acc"),
                     "bytes_sent_per_peer": round(sum(s["bytes_sent"] for s in sums) / len(sums)),
+                    "loaded_epoch_per_peer": [s.get("loaded_epoch") or 0 for s in sums],
                     "local_fallback_steps": sum(s.get("local_fallback_steps", 0) for s in sums),
                 }
             )

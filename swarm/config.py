@@ -142,9 +142,11 @@ class SwarmConfig:
     close_groups: bool = True
     """Start an averaging round as soon as every peer that reports progress has joined the group, instead
     of waiting the whole matchmaking_time (hivemind's default; false restores it, for comparisons)."""
-    report_every: float = 0.25
-    """Seconds between two of this peer's progress records in the DHT within a global epoch (peers read
-    them at most every 0.5 s); hivemind stores one after every step, which costs CPU (0 restores that)."""
+    report_every: float = 0.0
+    """Seconds between two of this peer's progress records in the DHT within a global epoch; 0 (the default)
+    stores one after every step, as hivemind does. 0.25 halves the DHT process's CPU on a 2-core machine,
+    but with epochs much shorter than a state download a peer that starts first can outrun the others
+    (see README, Performance), so it is opt-in."""
     compression: str = "none"
     """How tensors travel: 'none', 'fp16', 'int8' or 'powersgd:<rank>' (see swarm/compression.py)."""
     averaging: str = "gradients"

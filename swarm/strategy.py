@@ -146,7 +146,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         close_groups_early: bool = True,
-        report_every: float = 0.25,
+        report_every: float = 0.0,
         **optimizer_kwargs: Any,
     ) -> None:
         super().__init__(device=device)

@@ -200,16 +200,23 @@ class _ThrottledReports(threading.Event):
                 self._fire(now, key)
             elif self.timer is None:
                 self.timer = threading.Timer(self.last + self.interval - now, self._deferred)
+                self.timer.args = (self.timer,)
                 self.timer.daemon = True
                 self.timer.start()
 
-    def _deferred(self) -> None:
+    def _deferred(self, timer: threading.Timer) -> None:
         with self.guard:
-            self.timer = None
+            if self.timer is not timer:  # a set() fired first (the timer ran late or was cancelled)
+                return
             progress = self.tracker.local_progress
             self._fire(time.monotonic(), (progress.epoch, progress.samples_accumulated > 0))
 
     def _fire(self, now: float, key: tuple[int, bool]) -> None:
+        # one pending timer at most, and none after a fire: a timer that ran late on a busy machine used to
+        # fire again right after a set() that had found the interval over (8 stores in 1.09 s at 0.25 s)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         self.last, self.last_key = now, key
         self.fired += 1
         super().set()

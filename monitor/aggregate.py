@@ -30,6 +30,7 @@ class EpochPoint:
     train_records: int = 1  # records that reported training at this epoch (0: only validations seen)
     rounds: dict[str, float] = field(default_factory=dict)  # part -> median seconds over reporting peers
     local_steps: int = 0  # peers whose gradient round failed (they stepped on their own gradient)
+    rejected: int = 0  # peers whose screen refused this epoch's averaged result (swarm/screen.py)
 
 
 def aggregate(
@@ -60,7 +61,10 @@ def aggregate(
         if values:
             rounds[part] = statistics.median(values)
     local = sum(bool(r.round_local) for r in records)
-    return EpochPoint(epoch, peers, sps, loss, val_loss, val_acc, n_val, len(records), rounds, local)
+    rejected = sum(bool(r.round_rejected) for r in records)
+    return EpochPoint(
+        epoch, peers, sps, loss, val_loss, val_acc, n_val, len(records), rounds, local, rejected
+    )
 
 
 class EpochAggregator:

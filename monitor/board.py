@@ -14,6 +14,7 @@ from swarm.config import ExperimentConfig
 from swarm.logbook import read_run, write_hparams
 from swarm.metrics import (
     ROUND_LOCAL,
+    ROUND_REJECTED,
     ROUND_TAGS,
     SWARM_EPOCH,
     SWARM_PEERS,
@@ -77,6 +78,7 @@ class Board:
             add(ROUND_TAGS[part], seconds, step)
         if point.rounds:
             add(ROUND_LOCAL, point.local_steps, step)
+            add(ROUND_REJECTED, point.rejected, step)
         self.writer.flush()
         self.last_step = step
         return True

@@ -105,13 +105,15 @@ class Evaluator:
 def _log_point(point: EpochPoint) -> None:
     val = f" | val acc {point.val_acc:.4f} ({point.val_samples} images)" if point.val_acc is not None else ""
     loss = f"{point.loss:.4f}" if point.loss is not None else "n/a"
+    rejected = f" | {point.rejected} peers rejected the round" if point.rejected else ""
     log.info(
-        "global epoch %d | peers %d | %.1f samples/s | loss %s%s",
+        "global epoch %d | peers %d | %.1f samples/s | loss %s%s%s",
         point.epoch,
         point.peers,
         point.samples_per_second,
         loss,
         val,
+        rejected,
     )
 
 

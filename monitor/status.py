@@ -111,11 +111,17 @@ def render(status: SwarmStatus) -> str:
         lines.append("  val acc:        none reported yet")
     lines.append(f"  this machine:   {status.reachability}")
     if status.records:
-        lines.append(f"  {'peer':<20}{'epoch':>7}{'samples/s':>11}{'loss':>9}{'val acc':>12}")
+        rejected = sum(r.rejected_rounds or 0 for r in status.records)
+        if rejected:
+            lines.append(
+                f"  rejected:       {rejected} averaged rounds refused by peers' screens (outsized or "
+                "non-finite updates: a peer sends bad numbers)"
+            )
+        lines.append(f"  {'peer':<20}{'epoch':>7}{'samples/s':>11}{'loss':>9}{'val acc':>12}{'rejected':>10}")
         for r in status.records:
             val = f"{r.val_acc:.3f}@{r.val_epoch}" if r.val_acc is not None else "n/a"
             lines.append(
                 f"  {r.peer_name[:19]:<20}{r.global_epoch:>7}{r.samples_per_second:>11.1f}"
-                f"{r.loss:>9.4f}{val:>12}"
+                f"{r.loss:>9.4f}{val:>12}{r.rejected_rounds or 0:>10}"
             )
     return "\n".join(lines)

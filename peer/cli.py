@@ -43,6 +43,7 @@ def _fail_cleanly(func: Callable) -> Callable:
                 "MisconfigurationException",
                 "CheckpointError",
                 "ConfigMismatchError",
+                "SwarmWedgedError",
             )
             if type(exc).__name__ in known or isinstance(
                 exc, (ValueError, FileNotFoundError, PermissionError)
@@ -164,6 +165,13 @@ def training_options(func: Callable) -> Callable:
             type=click.IntRange(1),
             default=None,
             help="Average the parameters (and in DiLoCo the optimizers' state) every N global epochs [1].",
+        ),
+        click.option(
+            "--reject-factor",
+            type=float,
+            default=None,
+            help="Reject an averaged gradient or state this many times larger than this peer's own; "
+            "0: only non-finite ones [10].",
         ),
         click.option(
             "--limit-train-samples", type=int, default=None, help="Train on the first N images only."

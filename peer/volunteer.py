@@ -180,6 +180,7 @@ class SwarmReporter(L.Callback):
             val_acc=val.get("acc"),
             val_samples=int(val.get("samples", 0)),
             target_batch_size=self.cfg.swarm.target_batch_size,
+            rejected_rounds=self.strategy.screen.rejected,
             **_round_fields(entry.get("round")),
         )
         try:
@@ -266,6 +267,9 @@ class SwarmReporter(L.Callback):
             ),
             "round_end_seconds": self.strategy.round_end_seconds,
             "local_fallback_steps": self.strategy.local_fallback_steps,
+            "rejected_gradient_rounds": self.strategy.screen.rejected_gradient_rounds,
+            "rejected_state_rounds": self.strategy.screen.rejected_state_rounds,
+            "rejected_downloads": self.strategy.screen.rejected_downloads,
             "round_ends": self.strategy.clock.summary() if self.strategy.clock else None,
             "rounds": self.strategy.clock.rounds if self.strategy.clock else [],
             **self._diloco_summary(),
@@ -278,7 +282,11 @@ def _round_fields(record: dict[str, Any] | None) -> dict[str, Any]:
     if record is None:
         return {}
     fields = {f"round_{part}": float(record[part]) for part in metrics.ROUND_PARTS}
-    return {**fields, "round_local": record["outcome"] == "local"}
+    return {
+        **fields,
+        "round_local": record["outcome"] == "local",
+        "round_rejected": bool(record.get("rejected")),
+    }
 
 
 def _load_resume(cfg: ExperimentConfig, module: SwarmClassifier) -> dict[str, Any]:

@@ -42,6 +42,15 @@
    2-core machine, CPU taken from training. :func:`throttle_progress_reports` sends a new epoch at once,
    and its first samples, otherwise at most one record per ``interval``; the last count of a burst is
    sent when the interval ends.
+7. **No averaged result is applied unchecked.** An all-reduce hands every peer the group's mean, which one
+   peer's outsized numbers move as far as they like (an attacker, or a bug: gradients 10,000 times too
+   large took a 2-peer demo swarm to loss 3e6). :func:`screen_rounds` has a :class:`swarm.screen.RoundScreen`
+   judge the averaged gradient before hivemind.Optimizer copies it into the optimizer
+   (``_load_averaged_gradients_into_optimizer_``) and the averaged state before the state averager copies
+   it into the model (``_apply_averaging_results_``), and every state download (``load_state_from_peers``,
+   which hivemind.Optimizer runs whenever this peer falls behind the newest epoch); a rejected gradient
+   round is replaced by this peer's own gradient of the round (as in item 2), a rejected state round or
+   download leaves this peer's state as it was.
 
 The subclasses keep hivemind's class names: the p2p handlers' names are built from the class name, and must
 match those of other peers.
@@ -127,6 +136,9 @@ class _PacksParts:
         return result
 
 
+_ROLE_NAMES = {"PARAMETER": "parameters", "OPTIMIZER": "optimizer statistics"}
+
+
 @cache
 def _state_averager_class(base: type) -> type:
     def get_current_state(self: Any) -> tuple[Any, list[torch.Tensor], list[Any]]:
@@ -158,7 +170,50 @@ def _state_averager_class(base: type) -> type:
         metadata = dict(epoch=epoch, group_bits=self.get_group_bits(), optimizer_metadata=opt_metadata)
         return metadata, list(chain(params, extra, opt_tensors)), infos
 
-    attrs = {"__module__": __name__, "get_current_state": get_current_state}
+    def _apply_averaging_results_(self: Any) -> None:
+        """hivemind's copy of the averaged state into the model, unless the screen rejects it (item 7)."""
+        screen = getattr(self, "screen", None)
+        if screen is not None:
+            with torch.no_grad(), self.get_tensors() as averaged:
+                roles = [_ROLE_NAMES.get(info.role.name, "extra tensors") for info in self.tensor_infos]
+                reason = screen.judge_state(list(self._local_tensors()), averaged, roles)
+            if reason is not None:
+                self.on_rejected("state", reason, 0)
+                return
+        base._apply_averaging_results_(self)
+
+    def load_state_from_peers(self: Any, **kwargs: Any) -> Any:
+        """hivemind's state download, judged like an averaging round (item 7): hivemind.Optimizer downloads
+        from the peer with the newest epoch whenever this peer falls behind, and an attacker that runs ahead
+        would otherwise hand its state over. A rejected download is undone; the peer keeps its own tensors
+        and takes the newer epoch (so it does not download again at the next step)."""
+        screen = getattr(self, "screen", None)
+        if screen is None:
+            return base.load_state_from_peers(self, **kwargs)
+        with torch.no_grad(), self.lock_averaged_tensors:
+            before = [t.detach().clone() for t in self._local_tensors()]
+        epoch = self.local_epoch
+        result = base.load_state_from_peers(self, **kwargs)
+        if self.local_epoch == epoch:
+            return result  # nothing was loaded
+        with torch.no_grad(), self.lock_averaged_tensors:
+            roles = [_ROLE_NAMES.get(info.role.name, "extra tensors") for info in self.tensor_infos]
+            reason = screen.judge_state(before, list(self._local_tensors()), roles, kind="download")
+            if reason is not None:
+                for mine, now in zip(before, self._local_tensors(), strict=True):
+                    now.copy_(mine)
+        if reason is not None:
+            if not self.reuse_tensors:  # takes the (non-reentrant) tensor lock itself
+                self._load_local_tensors_into_averager_()
+            self.on_rejected("download", reason, 0)
+        return result
+
+    attrs = {
+        "__module__": __name__,
+        "get_current_state": get_current_state,
+        "_apply_averaging_results_": _apply_averaging_results_,
+        "load_state_from_peers": load_state_from_peers,
+    }
     return type(base.__name__, (_PacksParts, base), attrs)
 
 
@@ -255,6 +310,24 @@ def never_cancel_rounds(opt: Any) -> None:
     opt._begin_averaging_gradients = begin_without_cancelling
 
 
+def screen_rounds(opt: Any, screen: Any, on_rejected: Any) -> None:
+    """Item 7 of the module docstring, on one ``hivemind.Optimizer`` built by this module's averagers.
+    ``on_rejected(kind, reason, samples)`` is called for each rejected round (kind "gradient" or "state")."""
+    load, averager = opt._load_averaged_gradients_into_optimizer_, opt.grad_averager
+
+    def load_screened() -> None:
+        if averager is not None and getattr(averager, "holds_round_result", False):
+            with torch.no_grad(), averager.get_tensors() as averaged:
+                reason = screen.judge_gradients(averaged, averager._own_grads)
+            if reason is not None:
+                averager.use_own_gradients()
+                on_rejected("gradient", reason, averager._own_samples)
+        load()
+
+    opt._load_averaged_gradients_into_optimizer_ = load_screened
+    opt.state_averager.screen, opt.state_averager.on_rejected = screen, on_rejected
+
+
 @cache
 def packing(base: type) -> type:
     """``base`` (one of hivemind's averager classes) averaging one buffer per dtype and role."""
@@ -292,13 +365,25 @@ class _KeepsLocalGradients:
                 self._remember_own()
             return
         # the accumulators were zeroed for a round that failed: use this peer's own gradient of that round
+        self.use_own_gradients()
+        self.local_fallbacks += 1
+        if self.on_local_fallback is not None:
+            self.on_local_fallback(self._own_samples)
+
+    @property
+    def holds_round_result(self) -> bool:
+        """True between the end of a round that averaged this peer's gradient and the optimizer's use of it
+        (the averaged tensors then hold the group's mean, and this peer's own gradient is kept)."""
+        return self._own_valid
+
+    @torch.no_grad()
+    def use_own_gradients(self) -> None:
+        """Put this peer's own mean gradient of the last round where the averaged one was."""
+        assert self._own_grads is not None
         with self.get_tensors() as averaged:
             for mine, averaged_grad in zip(self._own_grads, averaged, strict=True):
                 averaged_grad.copy_(mine)
-        self.local_fallbacks += 1
         self._own_valid = False
-        if self.on_local_fallback is not None:
-            self.on_local_fallback(self._own_samples)
 
     @torch.no_grad()
     def _remember_own(self) -> None:

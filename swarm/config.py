@@ -147,6 +147,11 @@ class SwarmConfig:
     stores one after every step, as hivemind does. 0.25 halves the DHT process's CPU on a 2-core machine,
     but with epochs much shorter than a state download a peer that starts first can outrun the others
     (see README, Performance), so it is opt-in."""
+    reject_factor: float = 10.0
+    """Reject an averaged gradient longer than this many times this peer's own (or the median of recent
+    rounds), and averaged parameters or optimizer statistics this many times larger than this peer's own:
+    the peer steps on its own gradient or keeps its own state instead (swarm/screen.py). 0 turns the size
+    check off; non-finite results are always rejected. A per-peer policy, not part of the swarm's config."""
     compression: str = "none"
     """How tensors travel: 'none', 'fp16', 'int8' or 'powersgd:<rank>' (see swarm/compression.py)."""
     averaging: str = "gradients"
@@ -192,6 +197,12 @@ class SwarmConfig:
         )
         _check(self.linger >= 0, "linger", self.linger, "seconds >= 0")
         _check(self.report_every >= 0, "report_every", self.report_every, "seconds >= 0")
+        _check(
+            self.reject_factor == 0 or self.reject_factor > 1,
+            "reject_factor",
+            self.reject_factor,
+            "0 (off) or a number > 1",
+        )
         _check(
             self.average_state_every >= 1, "average_state_every", self.average_state_every, "an integer >= 1"
         )

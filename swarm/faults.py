@@ -13,6 +13,10 @@ list of ``kind@epoch`` or ``kind@epochxcount`` items, e.g. ``kill:allreduce@5`` 
 - ``kill:allreduce@E``: the same, in the middle of a gradient all-reduce (after the first averaged part
   has arrived), once the peer has reached epoch E.
 - ``nan_grad@ExN`` / ``inf_grad@ExN``: the first N local steps from epoch E produce NaN (Inf) gradients.
+- ``big_grad@ExN``: the first N local steps from epoch E produce gradients 10,000 times too large and
+  pointing uphill (-10^4 times the true gradient), as an attacker would send them (what swarm/screen.py
+  is for). Only 10,000 times too large, AdamW would barely notice: its update does not depend on the
+  gradient's scale (measured: a swarm with such a peer and no screen went on from val acc 0.66 to 0.89).
 - ``nan_params@E``: the parameters turn NaN right after the averaging that ends epoch E.
 
 Before it kills, the peer prints one ``FAULT INJECTED: ...`` line, so that a test can time the moment.
@@ -34,7 +38,8 @@ if TYPE_CHECKING:  # torch and hivemind load only when a fault is injected: the 
     from hivemind.averaging.control import StepControl
 
 KILL_KINDS = ("kill:accumulating", "kill:matchmaking", "kill:allreduce")
-GRAD_KINDS = ("nan_grad", "inf_grad")
+GRAD_KINDS = ("nan_grad", "inf_grad", "big_grad")
+BIG_GRAD_SCALE = -1e4
 KINDS = (*KILL_KINDS, *GRAD_KINDS, "nan_params")
 _ARMED_NONE, _ARMED_MATCHMAKING, _ARMED_ALLREDUCE = 0, 1, 2
 
@@ -117,10 +122,21 @@ class FaultInjector:
                 self.armed.value = _ARMED_ALLREDUCE
 
     def corrupt_gradients(self, module: torch.nn.Module, epoch: int) -> bool:
-        """Turn this step's gradients NaN or Inf if a gradient fault is due; True if it did."""
+        """Turn this step's gradients NaN, Inf or outsized if a gradient fault is due; True if it did."""
         for fault, left in self._grad_left.items():
             if left > 0 and epoch >= fault.epoch:
                 self._grad_left[fault] = left - 1
+                if fault.kind == "big_grad":
+                    if left == fault.count:
+                        print(
+                            f"FAULT INJECTED: gradients x{BIG_GRAD_SCALE:g} for {fault.count} local steps "
+                            f"from global epoch {epoch}",
+                            flush=True,
+                        )
+                    for p in module.parameters():
+                        if p.grad is not None:
+                            p.grad.mul_(BIG_GRAD_SCALE)
+                    return True
                 value = float("nan") if fault.kind == "nan_grad" else float("inf")
                 for p in module.parameters():
                     if p.grad is not None:

@@ -41,6 +41,10 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     return True
 
 
+class SwarmWedgedError(RuntimeError):
+    """No state this peer has or can download trains (every step gives non-finite gradients)."""
+
+
 class StateGuard:
     """Last finite state of ``params`` and ``optimizer`` (on the CPU), restored in place when needed."""
 

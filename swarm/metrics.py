@@ -27,6 +27,7 @@ SYS_GPU_MEM, SYS_GPU_UTIL = "sys/gpu_mem_gb", "sys/gpu_util"
 ROUND_PARTS = ("end", "matchmaking", "allreduce", "state", "update")
 ROUND_TAGS = {part: f"round/{part}_seconds" for part in ROUND_PARTS}
 ROUND_LOCAL = "round/local_steps"  # peers whose gradient round failed and who stepped on their own gradient
+ROUND_REJECTED = "round/rejected"  # peers whose screen refused an averaged result (swarm/screen.py)
 
 
 def metrics_key(run_id: str) -> str:
@@ -55,6 +56,9 @@ class LocalMetrics(BaseModel):
     round_state: confloat(ge=0.0, strict=True) | None = None
     round_update: confloat(ge=0.0, strict=True) | None = None
     round_local: StrictBool | None = None
+    # this peer's screen (swarm/screen.py) refused this epoch's averaged gradient or state; rounds so far
+    round_rejected: StrictBool | None = None
+    rejected_rounds: conint(ge=0, strict=True) | None = None
 
 
 def config_key(run_id: str) -> str:

@@ -12,6 +12,8 @@ A round ends in the local step at which the swarm has ``target_batch_size`` samp
 
 ``outcome`` says what the update used: ``averaged`` (the group's average, ``group`` peers), ``local`` (the
 round failed; this peer's own gradient of the round, see swarm/averagers.py) or ``alone`` (no other peer).
+``rejected`` lists the averaged results this peer's screen refused in the round (``gradient``, ``state``;
+see swarm/screen.py): a rejected gradient round also steps on this peer's own gradient.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class RoundClock:
     def _reset(self) -> None:
         self.parts = dict.fromkeys(PARTS, 0.0)
         self.outcome, self.group = "alone", 1
+        self.rejected: list[str] = []
 
     # ---- wrappers ---------------------------------------------------------------------------------------
     def _marked_round(self, method: Callable[..., Any]) -> Callable[..., Any]:
@@ -116,6 +119,7 @@ class RoundClock:
             "other": round(max(0.0, end_seconds - sum(self.parts.values())), 4),
             "outcome": self.outcome,
             "group": self.group,
+            "rejected": self.rejected,
         }
         self.rounds.append(record)
         self._reset()
@@ -131,6 +135,7 @@ class RoundClock:
             out[f"{key}_seconds_median"] = round(statistics.median(values), 4) if values else None
         for outcome in ("averaged", "local", "alone"):
             out[outcome] = sum(r["outcome"] == outcome for r in rounds)
+        out["rejected"] = sum(bool(r.get("rejected")) for r in rounds)
         return out
 
     def close(self) -> None:

@@ -40,10 +40,11 @@ from swarm.compression import parse_compression
 from swarm.config import AVERAGING, SwarmConfig
 from swarm.dht import stop_dht
 from swarm.diloco import DiLoCo
-from swarm.guard import StateGuard, all_finite
+from swarm.guard import StateGuard, SwarmWedgedError, all_finite
 from swarm.log import quiet_hivemind
 from swarm.procs import p2p_daemon_alive
 from swarm.rounds import RoundClock
+from swarm.screen import RoundScreen
 
 if TYPE_CHECKING:
     import hivemind
@@ -52,6 +53,10 @@ if TYPE_CHECKING:
     from swarm.faults import FaultInjector
 
 log = logging.getLogger(__name__)
+REJECTED_IN_ROW = 3  # rejected averaging rounds (of one kind) in a row that earn one louder line
+REJECTED_LOG_EVERY = 50  # ... after which only every 50th is logged
+NONFINITE_ROLLBACK = 10  # local steps in a row with non-finite gradients before a rollback (guard's state)
+NONFINITE_GIVE_UP = 30  # ... before the peer stops: no state it has or can download trains
 
 
 class GlobalEpochScheduler:
@@ -147,6 +152,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         outer_momentum: float = 0.9,
         close_groups_early: bool = True,
         report_every: float = 0.0,
+        reject_factor: float = 10.0,
         **optimizer_kwargs: Any,
     ) -> None:
         super().__init__(device=device)
@@ -160,6 +166,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.resyncs = 0  # state downloads after a fault
         self.local_fallback_steps = 0  # failed gradient rounds: this peer stepped on its own gradient
         self.close_groups_early, self.report_every = close_groups_early, report_every
+        self.screen = RoundScreen(reject_factor)  # judges every averaged result (swarm/screen.py)
+        self._nonfinite_in_row = 0  # local steps in a row with non-finite gradients
         self.clock: RoundClock | None = None
         self._update_hooks: list[Any] = []
         # wall time of the optimizer steps that ended a global epoch: waiting for the other peers' samples,
@@ -174,7 +182,6 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.averaging = averaging
         self._diloco_args = dict(local_steps=local_steps, outer_lr=outer_lr, outer_momentum=outer_momentum)
         self.diloco: DiLoCo | None = None
-        self._in_nonfinite_burst = False
         self.loaded_epoch: int | None = None
         self.resume_epoch, self.resume_optimizer_state = resume_epoch, resume_optimizer_state
         self._optimizer_kwargs = dict(
@@ -213,6 +220,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             outer_momentum=swarm.outer_momentum,
             close_groups_early=swarm.close_groups,
             report_every=swarm.report_every,
+            reject_factor=swarm.reject_factor,
         )
         return cls(dht=dht, batch_size=batch_size, **{**fields, **kwargs})
 
@@ -293,6 +301,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             self.diloco.attach(self.hivemind_opt)
         averagers.never_cancel_rounds(self.hivemind_opt)
         averagers.throttle_progress_reports(self.hivemind_opt.tracker, self.report_every)
+        averagers.screen_rounds(self.hivemind_opt, self.screen, self._on_rejected_round)
         self.clock = RoundClock(self.hivemind_opt, swarm_optimizer)
         # after the guard's and the clock's hooks: the guard's rollback happens under the lock too
         self._update_hooks = averagers.lock_updates(self.hivemind_opt.state_averager, swarm_optimizer)
@@ -366,7 +375,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             if not grads_are_finite(module):
                 self._skip_nonfinite_step(module)
                 return result
-            self._in_nonfinite_burst = False
+            self._nonfinite_in_row = 0
             result = super().optimizer_step(optimizer, lambda: result, model, **kwargs)
         if self.diloco is not None:
             self.diloco.after_inner_step(self.batch_size)  # the outer step, when due
@@ -404,18 +413,76 @@ class HivemindStrategy(SingleDeviceStrategy):
             self.local_fallback_steps,
         )
 
+    def _on_rejected_round(self, kind: str, reason: str, samples: int) -> None:
+        """The screen refused an averaged result (swarm/averagers.py, item 7): say so, with the figure (the
+        first rounds of a run of rejections, then every REJECTED_LOG_EVERY-th: an attacker may stay long)."""
+        if self.clock is not None:
+            self.clock.rejected.append(kind)
+        row = self.screen.in_row[kind]
+        if row <= REJECTED_IN_ROW or row % REJECTED_LOG_EVERY == 0:
+            if kind == "gradient":
+                what, instead = (
+                    "the gradient averaging round",
+                    f"steps on its own gradient of {samples} samples",
+                )
+            elif kind == "state":
+                what, instead = "the state averaging round", "keeps its own state"
+            else:
+                what, instead = "the state downloaded from peers", "keeps its own state and takes their epoch"
+            log.warning(
+                "Rejected %s toward global epoch %d: %s; this peer %s instead (%d in a row, %d rejected "
+                "so far)",
+                what,
+                self.local_epoch + 1,
+                reason,
+                instead,
+                row,
+                self.screen.rejected,
+            )
+        if row == REJECTED_IN_ROW:
+            log.error(
+                "%d %s results in a row were rejected: a peer of this swarm sends outsized updates (an "
+                "attack or a bug). This peer keeps training on its own results, rejects each such one, and "
+                "logs every %dth from now on.",
+                row,
+                kind,
+                REJECTED_LOG_EVERY,
+            )
+
     def _skip_nonfinite_step(self, module: torch.nn.Module) -> None:
-        """Drop this step's gradients (never sent), and resynchronise once per run of bad steps."""
+        """Drop this step's gradients (never sent). The first bad step of a run resynchronises with the
+        swarm; NONFINITE_ROLLBACK bad steps in a row roll back to the last state that passed the checks;
+        NONFINITE_GIVE_UP in a row stop the peer with one line (it never spins, and never logs forever)."""
+        assert self.guard is not None
         self.skipped_nonfinite_steps += 1
+        self._nonfinite_in_row += 1
         module.zero_grad(set_to_none=True)
-        log.warning(
-            "Skipping a step with non-finite gradients (%d so far); nothing was sent to the swarm",
-            self.skipped_nonfinite_steps,
-        )
-        if self._in_nonfinite_burst:
-            return
-        self._in_nonfinite_burst = True
-        self._resync("after a step with non-finite gradients")
+        row = self._nonfinite_in_row
+        if row <= 3 or row in (NONFINITE_ROLLBACK, NONFINITE_GIVE_UP):
+            log.warning(
+                "Skipping a step with non-finite gradients (%d so far, %d in a row); nothing was sent to the "
+                "swarm",
+                self.skipped_nonfinite_steps,
+                row,
+            )
+        if row == 1:
+            self._resync("after a step with non-finite gradients")
+        elif row == NONFINITE_ROLLBACK:
+            with self.hivemind_opt.state_averager.lock_averaged_tensors:
+                self._restore_guarded()
+            self.nonfinite_rollbacks += 1
+            log.error(
+                "%d steps in a row gave non-finite gradients, also after reloading the swarm's state; rolled "
+                "back to this peer's last good state (global epoch %s)",
+                row,
+                self.guard.epoch,
+            )
+        elif row >= NONFINITE_GIVE_UP:
+            raise SwarmWedgedError(
+                f"{row} training steps in a row gave non-finite gradients, even after reloading the swarm's "
+                f"state and rolling back to global epoch {self.guard.epoch}: no good state is left. Check "
+                "the data and the learning rate, or restart from a checkpoint with --resume-from."
+            )
 
     def _after_global_step(self, module: torch.nn.Module) -> None:
         """After each global step: keep the state if finite, else roll back and reload from peers."""

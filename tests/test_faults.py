@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -121,6 +122,85 @@ def test_faulty_peer_never_shares_nonfinite_numbers_and_a_mismatched_newcomer_is
         good["checksums"],
         bad["checksums"],
     )
+
+
+def _val_accs(peer: PeerProcess) -> list[tuple[int, float]]:
+    """(global epoch, val acc) of each of the peer's validation lines so far."""
+    found = (re.search(r"Validation at global epoch (\d+): .* acc ([\d.]+),", line) for line in peer.lines)
+    return [(int(m.group(1)), float(m.group(2))) for m in found if m]
+
+
+def test_an_attacker_sending_outsized_gradients_cannot_poison_the_swarm(peers, tmp_path):
+    """An invited peer (this project's own code, --inject-fault big_grad) sends gradients 10,000 times too
+    large and pointing uphill from its second global epoch on. Without the screen such a peer took an honest
+    one from val acc 0.66 to 0.11 in 6 global epochs (reject_factor 0; see README). Here the honest peer
+    rejects the rounds the attacker takes part in (the averaged gradient, and the averaged state whose AdamW
+    statistics blew up) and trains on: its val acc at validations 4 to 6 after the attack began (global
+    epochs +10 to +18) is on average no lower than at the last two before it, nothing wedged, `status` shows
+    the rejections, and both leave cleanly when told to (SIGTERM). Means, because the val acc of 359 images
+    moves by up to 0.07 from one validation to the next, and dips right after the attack while the honest
+    peer's steps go from two peers' samples to its own (5 runs: 0.72 -> 0.65 at worst, then back above
+    0.72 within 4 validations)."""
+    run = "pytest-poison"
+    _, address = _bootstrap(peers, run, tmp_path)
+    common = ("--max-epochs", "100000", "--initial-peers", address, "--eval-every", "3")
+    honest = _join(peers, "honest", run, tmp_path, *common, seed=1)
+    honest.wait_for(r"\| epoch \d+ \|", timeout=180)
+    attacker = _join(
+        peers, "attacker", run, tmp_path, *common, "--inject-fault", "big_grad@+2x10000000", seed=2
+    )
+    fault = attacker.wait_for(r"FAULT INJECTED: gradients x-10000 .* from global epoch (\d+)", timeout=180)
+    attack = int(fault.group(1))
+
+    def attacked_long_enough() -> bool:
+        for p in (honest, attacker):
+            assert p.proc.poll() is None, f"{p.name} exited:\n{p.output()[-4000:]}"
+        rejected = sum("Rejected the gradient averaging round" in line for line in honest.lines)
+        return rejected >= 3 and len([e for e, _ in _val_accs(honest) if e > attack]) >= 6
+
+    wait_until(attacked_long_enough, timeout=240, interval=0.5)
+    assert attacked_long_enough(), honest.output()[-4000:]
+    status = PeerProcess(
+        "status",
+        ["status", "--initial-peers", address, "--run-id", run, "--host-maddr", "/ip4/127.0.0.1/tcp/0"],
+        peers,
+    )
+    assert status.wait(timeout=120) == 0, status.output()
+    assert re.search(r"rejected:\s+\d+ averaged rounds refused", status.output()), status.output()
+    for p in (honest, attacker):
+        assert p.stop(grace=60) == 0, f"{p.name}:\n{p.output()[-4000:]}"
+
+    good = read_summary(tmp_path, run, "honest")
+    assert good["skipped_nonfinite_steps"] == 0 and good["nonfinite_rollbacks"] == 0, good
+    assert good["rejected_gradient_rounds"] >= 3, good
+    assert any("| peers 2" in line for line in honest.lines), "the attacker never took part"
+    vals = _val_accs(honest)
+    before = [acc for epoch, acc in vals if epoch <= attack][-2:]
+    after = [acc for epoch, acc in vals if epoch > attack][3:6]
+    print(
+        f"\nhonest val acc {before} before the attack (global epoch {attack}), {after} after; rejected "
+        f"{good['rejected_gradient_rounds']} gradient and {good['rejected_state_rounds']} state rounds, "
+        f"{good['rejected_downloads']} downloads"
+    )
+    assert len(after) == 3 and sum(after) / 3 >= sum(before) / len(before), vals
+
+
+def test_a_peer_with_no_good_state_left_stops_with_one_line(peers, tmp_path):
+    """Every step non-finite from global epoch 1 on: the peer resynchronises, rolls back, then exits 1 with
+    one line that says what happened and what to do (no traceback, no endless warnings)."""
+    lone = _join(
+        peers, "lone", "pytest-wedge", tmp_path, "--max-epochs", "50", "--inject-fault", "nan_grad@1x1000"
+    )
+    assert lone.wait(timeout=180) == 1, lone.output()[-4000:]
+    out = lone.output()
+    errors = [line for line in lone.lines if line.startswith("Error:")]
+    assert errors == [line for line in lone.lines if "no good state is left" in line], out[-4000:]
+    assert len(errors) == 1 and "30 training steps in a row gave non-finite gradients" in errors[0], out[
+        -4000:
+    ]
+    assert "Traceback" not in out
+    assert out.count("Skipping a step with non-finite gradients") == 5, out[-4000:]  # steps 1-3, 10, 30
+    assert "rolled back to this peer's last good state" in out
 
 
 def _wait_epoch(peer: PeerProcess, epoch: int, timeout: float) -> None:

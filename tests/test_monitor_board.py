@@ -71,7 +71,11 @@ def test_a_validation_carried_by_later_records_lands_at_its_epoch_and_rounds_are
     val = dict(val_epoch=5, val_acc=0.8, val_loss=0.7, val_samples=100)
     ends = dict(round_end=0.2, round_allreduce=0.05)
     agg.add(
-        {b"a": rec("a", 6, **val, **ends), b"b": rec("b", 7, **val, round_end=0.4, round_local=True)}, 0.0
+        {
+            b"a": rec("a", 6, **val, **ends),
+            b"b": rec("b", 7, **val, round_end=0.4, round_local=True, round_rejected=True),
+        },
+        0.0,
     )
     agg.add({b"a": rec("a", 8, **val), b"b": rec("b", 8, **val)}, now=1.0)
     points = {p.epoch: p for p in agg.ready(now=5.0, closing=True)}
@@ -80,6 +84,7 @@ def test_a_validation_carried_by_later_records_lands_at_its_epoch_and_rounds_are
     assert points[6].val_acc is None and points[6].train_records == 1
     assert points[6].rounds == {"end": 0.2, "allreduce": 0.05} and points[6].local_steps == 0
     assert points[7].rounds["end"] == pytest.approx(0.4) and points[7].local_steps == 1
+    assert points[6].rejected == 0 and points[7].rejected == 1  # b's screen refused a round (swarm/screen.py)
 
 
 def test_closing_releases_finished_epochs_only():
@@ -104,7 +109,7 @@ def test_board_appends_after_a_restart_without_repeating_steps(tmp_path):
     restarted.write_hparams(cfg)  # a no-op the second time
     assert not restarted.write_point(EpochPoint(3, 3, 30.0, 1.0))
     assert not restarted.write_eval(3, {"acc": 0.9, "acc_top5": 0.9, "loss": 0.1})
-    assert restarted.write_point(EpochPoint(4, 2, 20.0, 1.5))
+    assert restarted.write_point(EpochPoint(4, 2, 20.0, 1.5, rounds={"end": 0.3}, local_steps=1, rejected=2))
     restarted.close()
 
     acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0}, purge_orphaned_data=False)
@@ -114,6 +119,8 @@ def test_board_appends_after_a_restart_without_repeating_steps(tmp_path):
     assert [e.value for e in acc.Scalars("swarm/peers")] == [3, 3, 3, 2]
     assert [e.step for e in acc.Scalars("val/acc")] == [1, 2, 3]
     assert [(e.step, round(e.value, 6)) for e in acc.Scalars(EVAL_ACC)] == [(3, 0.3)]
+    assert [(e.step, e.value) for e in acc.Scalars("round/local_steps")] == [(4, 1.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("round/rejected")] == [(4, 2.0)]
     assert {"train/loss", "swarm/samples_per_second", "swarm/global_epoch", "val/loss"} <= set(
         acc.Tags()["scalars"]
     )

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from functools import partial
+from types import SimpleNamespace
 
 import hivemind
 import pytest
@@ -18,6 +20,7 @@ from hivemind.optim.grad_averager import GradientAverager
 
 from swarm import averagers
 from swarm.procs import remove_stale_sockets, start_group, stop_group
+from swarm.screen import RoundScreen
 from swarm.waiting import wait_until
 
 PROGRESS_ONLY = """
@@ -200,3 +203,148 @@ def test_progress_is_reported_a_few_times_a_second_and_the_last_count_arrives(dh
         assert latest() == (1, 64)
     finally:
         tracker.shutdown()
+
+
+def _gradients(net: torch.nn.Module, scale: float, seed: int) -> list[torch.Tensor]:
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(seed))
+    net.zero_grad()
+    (net(x).pow(2).sum() * scale).backward()
+    return [p.grad.detach().clone() for p in net.parameters()]
+
+
+def test_an_outsized_averaged_gradient_is_rejected_for_the_peers_own(dhts):
+    """A averages with B, whose averager speaks the swarm's packed format (swarm/averagers.py item 3) but has
+    no screen. In the first round B is honest and A applies the exact mean; in the second B's gradient is
+    10,000 times too large, and A's screen puts A's own gradient where the mean was, counts the round and
+    says why. (A plain hivemind GradientAverager cannot average with the swarm's packed parts at all: its
+    round fails with "received 0.0% results".)"""
+    node_a, node_b = dhts(2)
+    torch.manual_seed(0)
+    net_a, net_b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    common = dict(
+        prefix="pytest-rounds-screen", min_matchmaking_time=MATCHMAKING, request_timeout=1.5, start=True
+    )
+    a = averagers.keeping_local_gradients(GradientAverager)(list(net_a.parameters()), dht=node_a, **common)
+    b = averagers.packing(GradientAverager)(list(net_b.parameters()), dht=node_b, **common)
+    screen, rejected, loaded = RoundScreen(10.0), [], []
+    # the two attributes of hivemind.Optimizer that screen_rounds wraps; the averagers and the screen are real
+    opt = SimpleNamespace(
+        grad_averager=a,
+        state_averager=SimpleNamespace(),
+        _load_averaged_gradients_into_optimizer_=lambda: loaded.append(True),
+    )
+    averagers.screen_rounds(opt, screen, lambda *args: rejected.append(args))
+    try:
+        for averager in (a, b):
+            averagers.set_target_group_size(averager, 2)
+        for round_no, scale in enumerate((1.0, 1e4)):
+            own = _gradients(net_a, 1.0, seed=round_no)
+            a.accumulate_grads_(batch_size=4)
+            theirs = _gradients(net_b, scale, seed=10 + round_no)
+            b.accumulate_grads_(batch_size=4)
+            controls = [x.step(wait=False, timeout=MATCHMAKING + 10) for x in (a, b)]
+            assert all(len(c.result(timeout=MATCHMAKING - 5)) == 2 for c in controls)
+            opt._load_averaged_gradients_into_optimizer_()
+            expected = [(g + h) / 2 for g, h in zip(own, theirs, strict=True)] if round_no == 0 else own
+            with a.get_tensors() as got:
+                for g, e in zip(got, expected, strict=True):
+                    torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+            for x in (a, b):
+                x.notify_used_averaged_gradients()
+        assert len(loaded) == 2  # hivemind's own loading ran after the screen, both times
+        assert screen.rejected_gradient_rounds == 1 and len(screen.norms) == 1, screen.__dict__
+        ((kind, reason, samples),) = rejected
+        assert kind == "gradient" and samples == 4, rejected
+        assert "x this peer's reference" in reason and "the limit is 10x" in reason, reason
+    finally:
+        for averager in (a, b):
+            averager.shutdown()
+
+
+def test_an_outsized_averaged_state_is_rejected_and_the_peer_keeps_its_own(dhts):
+    """A's state averager averages with B's (the same class, without a screen), whose parameters are 10,000
+    times too large: A keeps its own parameters and counts the round, while B takes the mean."""
+    from hivemind.optim.state_averager import TrainingStateAverager
+
+    node_a, node_b = dhts(2)
+    torch.manual_seed(0)
+    net_a, net_b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        for p in net_b.parameters():
+            p.mul_(1e4)
+    before_a = [p.detach().clone() for p in net_a.parameters()]
+    mean = [(p + q.detach()) / 2 for p, q in zip(before_a, net_b.parameters(), strict=True)]
+    common = dict(
+        prefix="pytest-rounds-state-screen",
+        optimizer=partial(torch.optim.SGD, lr=0.1),
+        min_matchmaking_time=MATCHMAKING,
+        request_timeout=1.5,
+        start=True,
+    )
+    a = averagers._state_averager_class(TrainingStateAverager)(
+        dht=node_a, params=net_a.parameters(), **common
+    )
+    b = averagers._state_averager_class(TrainingStateAverager)(
+        dht=node_b, params=net_b.parameters(), **common
+    )
+    screen, rejected = RoundScreen(10.0), []
+    a.screen, a.on_rejected = screen, lambda *args: rejected.append(args)
+    try:
+        for averager in (a, b):
+            averagers.set_target_group_size(averager, 2)
+        opts = dict(averaging_round=True, averaging_opts=dict(timeout=MATCHMAKING + 10))
+        other = threading.Thread(target=b.step, kwargs=opts)
+        other.start()
+        a.step(**opts)
+        other.join(timeout=MATCHMAKING)
+        assert not other.is_alive()
+        for p, kept in zip(net_a.parameters(), before_a, strict=True):
+            torch.testing.assert_close(p.detach(), kept)
+        for p, m in zip(net_b.parameters(), mean, strict=True):  # the round did run: B holds the mean
+            torch.testing.assert_close(p.detach(), m, rtol=1e-5, atol=1e-3)
+        assert screen.rejected_state_rounds == 1, screen.__dict__
+        ((kind, reason, samples),) = rejected
+        assert kind == "state" and "averaged parameters have norm" in reason, rejected
+    finally:
+        for averager in (a, b):
+            averager.shutdown()
+
+
+def test_a_state_download_with_outsized_numbers_is_undone_and_an_honest_one_kept(dhts):
+    """hivemind.Optimizer downloads the newest peer's state whenever a peer falls behind, so an attacker that
+    runs ahead could hand its state over. A downloads twice from B (the same averager class, without a
+    screen): first an honest state, which A takes whole; then one whose parameters are 10,000 times too
+    large, which A undoes, keeping its own tensors but taking B's newer epoch."""
+    from hivemind.optim.state_averager import TrainingStateAverager
+
+    node_a, node_b = dhts(2)
+    torch.manual_seed(0)
+    net_a, net_b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    cls = averagers._state_averager_class(TrainingStateAverager)
+    common = dict(prefix="pytest-rounds-download", optimizer=partial(torch.optim.SGD, lr=0.1), start=True)
+    a = cls(dht=node_a, params=net_a.parameters(), **common)
+    b = cls(dht=node_b, params=net_b.parameters(), **common)
+    screen, rejected = RoundScreen(10.0), []
+    a.screen, a.on_rejected = screen, lambda *args: rejected.append(args)
+    try:
+        b.local_epoch = b.state_sharing_priority = 5
+        wait_until(lambda: a.load_state_from_peers(timeout=5) is None and a.local_epoch == 5, timeout=60)
+        assert a.local_epoch == 5 and not rejected, rejected
+        for p, q in zip(net_a.parameters(), net_b.parameters(), strict=True):
+            torch.testing.assert_close(p.detach(), q.detach())
+
+        kept = [p.detach().clone() for p in net_a.parameters()]
+        with torch.no_grad():
+            for q in net_b.parameters():
+                q.mul_(1e4)
+        b.local_epoch = b.state_sharing_priority = 9
+        wait_until(lambda: a.load_state_from_peers(timeout=5) is None and a.local_epoch == 9, timeout=60)
+        assert a.local_epoch == 9
+        for p, k in zip(net_a.parameters(), kept, strict=True):
+            torch.testing.assert_close(p.detach(), k)
+        assert screen.rejected_downloads == 1 and screen.rejected_state_rounds == 0, screen.__dict__
+        ((kind, reason, _),) = rejected
+        assert kind == "download" and "the downloaded parameters have norm" in reason, rejected
+    finally:
+        for averager in (a, b):
+            averager.shutdown()

@@ -14,7 +14,7 @@ from swarm.config import build_config
 from swarm.data import build_datasets, train_loader
 from swarm.dht import start_dht
 from swarm.faults import FaultInjector, parse_faults
-from swarm.guard import StateGuard
+from swarm.guard import StateGuard, SwarmWedgedError
 from swarm.model import SwarmClassifier, lr_lambda
 from swarm.procs import remove_stale_sockets
 from swarm.strategy import HivemindStrategy
@@ -36,7 +36,14 @@ class NanOnce(SwarmClassifier):
         return loss * float("nan") if batch_idx == 2 else loss
 
 
-def _fit(module_cls, steps: int, precision: str = "32-true", device: str = "cpu", faults: str | None = None):
+def _fit(
+    module_cls,
+    steps: int,
+    precision: str = "32-true",
+    device: str = "cpu",
+    faults: str | None = None,
+    built: list | None = None,
+):
     cfg = build_config(
         "demo", {"target_batch_size": 64, "batch_size": 32, "limit_train_samples": 512}, environ={}
     )
@@ -53,6 +60,8 @@ def _fit(module_cls, steps: int, precision: str = "32-true", device: str = "cpu"
         averaging_timeout=10.0,
         faults=FaultInjector(parse_faults(faults)) if faults else None,
     )
+    if built is not None:
+        built.append(strategy)
     recorder = Recorder(strategy)
     module = module_cls(cfg.model, cfg.train)
     trainer = L.Trainer(
@@ -104,6 +113,20 @@ def test_injected_faults_are_skipped_or_rolled_back():
     assert strategy.resyncs == 2  # one after the run of bad gradients, one after the bad parameters
     assert all(torch.isfinite(p).all() for p in module.parameters())
     assert strategy.local_epoch == 4  # 8 good batches of 32 toward a target of 64
+
+
+def test_a_peer_whose_every_step_is_nonfinite_rolls_back_then_stops_with_one_line():
+    """Non-finite gradients from global epoch 1 on, every step: the first bad step resynchronises, the 10th
+    rolls back to the last good state, the 30th stops the peer with one line instead of spinning."""
+    built: list[HivemindStrategy] = []
+    with pytest.raises(SwarmWedgedError) as caught:
+        _fit(SwarmClassifier, steps=100, faults="nan_grad@1x1000", built=built)
+    assert str(caught.value).startswith("30 training steps in a row gave non-finite gradients, even after")
+    assert "--resume-from" in str(caught.value) and "\n" not in str(caught.value)
+    (strategy,) = built
+    assert strategy.skipped_nonfinite_steps == 30 and strategy.local_epoch == 1
+    assert strategy.resyncs == 1 and strategy.nonfinite_rollbacks == 1
+    assert strategy.guard.finite()
 
 
 def test_guard_undoes_a_local_update_that_overflows():

@@ -1,0 +1,122 @@
+"""RoundScreen: every peer checks each averaged result before it applies it.
+
+An all-reduce hands each peer the weighted mean of what the group sent. One peer that sends outsized numbers
+(an attacker, or an honest peer with a bug: a wrong normalisation, an fp16 overflow) moves that mean as far
+as it likes, and the guard (swarm/guard.py) only catches non-finite values. The screen judges two results:
+
+- **a gradient round** (swarm/averagers.py, item 7): the averaged gradient's norm against ``factor`` times
+  the larger of this peer's own gradient norm of the same round and the median norm of the last accepted
+  rounds. A mean of honest gradients is never longer than the longest of them (the triangle inequality), so
+  an honest round stays near this peer's own norm; a peer whose gradient is 10,000 times too large moves
+  the mean of 3 peers about 3,000 times.
+- **a state averaging round** (parameters, optimizer statistics, extra tensors), role by role: the
+  averaged tensors' norm against ``factor`` times this peer's own. Honest peers' parameters and AdamW
+  moments have norms of the same order; an attacker's AdamW ``exp_avg_sq`` after 10,000x gradients is
+  10^8 times larger.
+
+- **a state download** (hivemind.Optimizer downloads the newest peer's state whenever this peer falls
+  behind): judged like a state averaging round, against the state this peer held before.
+
+A rejected round is not applied: for gradients the peer steps on its own gradient of the round (as after
+a failed round), for the state (averaged or downloaded) it keeps its own state. Each rejection is counted
+and logged with its figure. This detects outsized updates; it does not outvote a peer that sends plausible
+but wrong numbers (that needs robust aggregation, e.g. CenteredClip).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+
+
+def total_norm(tensors: Sequence[torch.Tensor]) -> float:
+    """The L2 norm of all ``tensors`` together, in float64 (inf or nan if any value is)."""
+    floats = [t.detach() for t in tensors if t.is_floating_point() and t.numel()]
+    if not floats:
+        return 0.0
+    norms = torch._foreach_norm([t.double() for t in floats])
+    return float(torch.linalg.vector_norm(torch.stack(norms)))
+
+
+class RoundScreen:
+    """Judges averaged results. ``factor`` <= 0 turns every check off except the one for non-finite values."""
+
+    def __init__(self, factor: float = 10.0, history: int = 16) -> None:
+        self.factor = factor
+        self.norms: deque[float] = deque(maxlen=history)  # norms of the last accepted gradient rounds
+        self.rejected_gradient_rounds = 0
+        self.rejected_state_rounds = 0
+        self.rejected_downloads = 0
+        # results of each kind rejected since the last accepted one
+        self.in_row = {"gradient": 0, "state": 0, "download": 0}
+        self.last_reason: str | None = None
+
+    @property
+    def rejected(self) -> int:
+        return self.rejected_gradient_rounds + self.rejected_state_rounds + self.rejected_downloads
+
+    def _outsized(self, norm: float, reference: float) -> bool:
+        return self.factor > 0 and reference > 0 and norm > self.factor * reference
+
+    def judge_gradients(self, averaged: Sequence[torch.Tensor], own: Sequence[torch.Tensor]) -> str | None:
+        """None if the averaged gradient may be applied, else why not (with the figures)."""
+        norm, mine = total_norm(averaged), total_norm(own)
+        reference = max([mine] + ([statistics.median(self.norms)] if self.norms else []))
+        if not math.isfinite(norm):
+            reason = f"the averaged gradient is non-finite (norm {norm})"
+        elif self._outsized(norm, reference):
+            reason = (
+                f"the averaged gradient's norm {norm:.3g} is {norm / reference:.0f}x this peer's reference "
+                f"{reference:.3g} (own gradient {mine:.3g}; the limit is {self.factor:g}x)"
+            )
+        else:
+            self.norms.append(norm)
+            self.in_row["gradient"] = 0
+            return None
+        self.rejected_gradient_rounds += 1
+        return self._rejected("gradient", reason)
+
+    def judge_state(
+        self,
+        local: Sequence[torch.Tensor],
+        averaged: Sequence[torch.Tensor],
+        roles: Sequence[str],
+        kind: str = "state",
+    ) -> str | None:
+        """None if the averaged (``kind`` "state") or downloaded ("download") state may replace ``local``,
+        else why not. ``roles`` names each tensor's part (parameters, optimizer statistics, extra tensors);
+        each part is judged on its own. A part that is all zeros here (a newcomer's optimizer statistics)
+        cannot be judged, and passes."""
+        parts: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for mine, theirs, role in zip(local, averaged, roles, strict=True):
+            pair = parts.setdefault(role, ([], []))
+            pair[0].append(mine)
+            pair[1].append(theirs)
+        for role, (mine, theirs) in parts.items():
+            norm, own = total_norm(theirs), total_norm(mine)
+            what = "averaged" if kind == "state" else "downloaded"
+            if not math.isfinite(norm):
+                reason = f"the {what} {role} are non-finite"
+            elif self._outsized(norm, own):
+                reason = (
+                    f"the {what} {role} have norm {norm:.3g}, {norm / own:.0f}x this peer's {own:.3g} "
+                    f"(the limit is {self.factor:g}x)"
+                )
+            else:
+                continue
+            if kind == "state":
+                self.rejected_state_rounds += 1
+            else:
+                self.rejected_downloads += 1
+            return self._rejected(kind, reason)
+        self.in_row[kind] = 0
+        return None
+
+    def _rejected(self, kind: str, reason: str) -> str:
+        self.in_row[kind] += 1
+        self.last_reason = reason
+        return reason

@@ -97,13 +97,18 @@ class RoundScreen:
             pair[0].append(mine)
             pair[1].append(theirs)
         for role, (mine, theirs) in parts.items():
-            norm, own = total_norm(theirs), total_norm(mine)
             what = "averaged" if kind == "state" else "downloaded"
-            if not math.isfinite(norm):
+            # sizes leave out one-number tensors: step counters (DiLoCo's inner AdamW steps travel as extra
+            # tensors) of a peer that fell far behind differ from the swarm's by design
+            size, own = (
+                total_norm([t for t in theirs if t.numel() > 1]),
+                total_norm([t for t in mine if t.numel() > 1]),
+            )
+            if not math.isfinite(total_norm(theirs)):
                 reason = f"the {what} {role} are non-finite"
-            elif self._outsized(norm, own):
+            elif self._outsized(size, own):
                 reason = (
-                    f"the {what} {role} have norm {norm:.3g}, {norm / own:.0f}x this peer's {own:.3g} "
+                    f"the {what} {role} have norm {size:.3g}, {size / own:.0f}x this peer's {own:.3g} "
                     f"(the limit is {self.factor:g}x)"
                 )
             else:

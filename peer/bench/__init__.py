@@ -11,6 +11,8 @@ scenario; :data:`SCENARIOS` is the registry that the CLI's ``--scenario`` choice
 * ``join``: a newcomer downloads ViT-B/32's state from a peer, against reading it from a checkpoint.
 * ``wan`` (root only): peers in network namespaces behind 20 Mbit/s links; time to a fixed val acc with
   fp32 and int8 gradient averaging and DiLoCo + int8, against one process.
+* ``attack``: a peer sends outsized, uphill gradients into a swarm; the honest peer's val acc with its screen
+  off and on (swarm/screen.py).
 
 Peers run as subprocesses of this command, in their own process groups, and are stopped when it ends.
 """
@@ -32,6 +34,7 @@ SCENARIOS = (
     "parity",
     "step",
     "wan",
+    "attack",
 )  # each a module of this package: run() and table
 
 

@@ -139,6 +139,11 @@ class _PacksParts:
 _ROLE_NAMES = {"PARAMETER": "parameters", "OPTIMIZER": "optimizer statistics"}
 
 
+def _roles(averager: Any) -> list[str]:
+    """What each of a state averager's tensors is, as the screen names it (item 7)."""
+    return [_ROLE_NAMES.get(info.role.name, "extra tensors") for info in averager.tensor_infos]
+
+
 @cache
 def _state_averager_class(base: type) -> type:
     def get_current_state(self: Any) -> tuple[Any, list[torch.Tensor], list[Any]]:
@@ -175,8 +180,7 @@ def _state_averager_class(base: type) -> type:
         screen = getattr(self, "screen", None)
         if screen is not None:
             with torch.no_grad(), self.get_tensors() as averaged:
-                roles = [_ROLE_NAMES.get(info.role.name, "extra tensors") for info in self.tensor_infos]
-                reason = screen.judge_state(list(self._local_tensors()), averaged, roles)
+                reason = screen.judge_state(list(self._local_tensors()), averaged, _roles(self))
             if reason is not None:
                 self.on_rejected("state", reason, 0)
                 return
@@ -197,8 +201,7 @@ def _state_averager_class(base: type) -> type:
         if self.local_epoch == epoch:
             return result  # nothing was loaded
         with torch.no_grad(), self.lock_averaged_tensors:
-            roles = [_ROLE_NAMES.get(info.role.name, "extra tensors") for info in self.tensor_infos]
-            reason = screen.judge_state(before, list(self._local_tensors()), roles, kind="download")
+            reason = screen.judge_state(before, list(self._local_tensors()), _roles(self), kind="download")
             if reason is not None:
                 for mine, now in zip(before, self._local_tensors(), strict=True):
                     now.copy_(mine)

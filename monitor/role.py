@@ -21,7 +21,7 @@ import torch
 from monitor.aggregate import EpochAggregator, EpochPoint
 from monitor.board import Board
 from monitor.state import CheckpointKeeper, SwarmModel
-from swarm import metrics
+from swarm import fence, metrics
 from swarm.checkpoint import CheckpointError
 from swarm.config import ExperimentConfig, save_config
 from swarm.data import build_datasets, val_loader
@@ -169,13 +169,14 @@ def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[s
     device, keeper, val_set, board = _prepare(cfg)
     out_dir = board.logdir
     aggregator = EpochAggregator(cfg.monitor.settle_time, after_epoch=board.last_step)
-    stop, dht, model, evaluator = GracefulStop(), None, None, None
+    stop, dht, model, evaluator, members = GracefulStop(), None, None, None, None
     warned: set = set()
     stop.install()
     try:
-        validators, _ = metrics.make_validators(cfg.swarm.run_id)
+        validators, public_key = metrics.make_validators(cfg.swarm.run_id)
         dht = start_dht(cfg.swarm, validators)
         check_against_swarm(dht, cfg, only=MONITOR_FIELDS)  # its evaluation needs the swarm's model
+        members = fence.attach(dht, public_key)  # invite-only: its state downloads need a member record
         print(
             f"Monitor of run {cfg.swarm.run_id!r} is up. To join this swarm, run:\n"
             f"  {join_command(dht, cfg.swarm.run_id, config_name)}",
@@ -208,6 +209,8 @@ def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[s
                 _log_point(point)
         board.close()
         stop.restore()
+        if members is not None:
+            members.stop()
         if model is not None:
             model.shutdown()
         if dht is not None:

@@ -44,6 +44,7 @@ def _fail_cleanly(func: Callable) -> Callable:
                 "CheckpointError",
                 "ConfigMismatchError",
                 "SwarmWedgedError",
+                "InviteError",
             )
             if type(exc).__name__ in known or isinstance(
                 exc, (ValueError, FileNotFoundError, PermissionError)
@@ -96,6 +97,11 @@ def swarm_options(func: Callable) -> Callable:
             help="Public address others dial, e.g. /ip4/<public ip>/tcp/31337 (repeatable).",
         ),
         click.option("--identity-path", default=None, help="Private key file; keeps the peer id stable."),
+        click.option(
+            "--invite",
+            default=None,
+            help="Invite file from the run's owner (swarm-peer invite); required by an invite-only swarm.",
+        ),
         click.option(
             "--client-mode",
             is_flag=True,
@@ -222,6 +228,10 @@ def _config_from(params: dict[str, Any]):
     params.pop("verbose", None)
     for key in ("initial_peers", "host_maddrs", "announce_maddrs"):
         params[key] = tuple(params.get(key) or ()) or None
+    if params.get("invite") and not params.get("run_id"):
+        from swarm.invite import invite_run_id
+
+        params["run_id"] = invite_run_id(params["invite"])  # the invite names the run
     return build_config(config, params)
 
 
@@ -457,20 +467,76 @@ def report(log_dir: str, out: str | None) -> None:
 
 
 @main.command()
+@click.option(
+    "--owner-key",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="The run owner's private key (PEM), created if it does not exist. Keep it secret.",
+)
+@click.option("--run-id", required=True, help="The run the invite admits to.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Invite file to write.")
+@click.option("--expires", default="7d", show_default=True, help="Lifetime: e.g. 7d, 12h, 30m, 90s.")
+@click.option("--name", default=None, help="Whom the invite is for (shown in logs) [invite-<random>].")
+@_fail_cleanly
+def invite(owner_key: str, run_id: str, out: str, expires: str, name: str | None) -> None:
+    """Write an invite to an invite-only run, signed with the owner's key (created on first use).
+
+    Send the invite file to a volunteer like a password: anyone who holds it may join until it expires.
+    """
+    import secrets
+
+    from swarm.config import SwarmConfig
+    from swarm.invite import describe, load_or_create_owner_key, make_invite, parse_duration
+
+    SwarmConfig(run_id=run_id)  # the same rules as --run-id everywhere else
+    name = name or f"invite-{secrets.token_hex(3)}"
+    if len(name) > 64 or not name.isprintable():
+        raise click.BadParameter("at most 64 printable characters", param_hint="--name")
+    key, created = load_or_create_owner_key(owner_key)
+    if created:
+        click.echo(f"Created the owner key {owner_key} (keep it secret; every invite of the run is signed with it)")
+    made = make_invite(key, run_id, name, parse_duration(expires))
+    made.save(out)
+    click.echo(f"Wrote {out}: {describe(made)}")
+    click.echo(f"The volunteer runs: swarm-peer join --invite {out} --initial-peers <the swarm's address>")
+
+
+@main.command()
 @click.option("--peers", type=click.IntRange(1, 16), default=3, show_default=True, help="Training peers.")
 @click.option("--config", "config", default="demo", show_default=True, help="Experiment for every peer.")
 @click.option("--max-epochs", type=click.IntRange(1), default=None, help="Global epochs [config's].")
 @click.option("--run-id", default=None, help="Run name [demo-<time>].")
 @click.option("--log-dir", default=None, help="Root of runs/ [runs].")
+@click.option(
+    "--invite",
+    default=None,
+    help="Invite every peer uses [a new owner key and invite under the run's folder].",
+)
+@click.option("--open", "open_swarm", is_flag=True, help="Run an open swarm (anyone may join) instead.")
 @_fail_cleanly
-def demo(peers: int, config: str, max_epochs: int | None, run_id: str | None, log_dir: str | None) -> None:
-    """Start a bootstrap peer and N training peers on 127.0.0.1 and show them training together."""
+def demo(
+    peers: int,
+    config: str,
+    max_epochs: int | None,
+    run_id: str | None,
+    log_dir: str | None,
+    invite: str | None,
+    open_swarm: bool,
+) -> None:
+    """Start a monitor and N training peers on 127.0.0.1 and show them training together (invite-only)."""
     import time
 
+    if invite and open_swarm:
+        raise click.UsageError("--invite and --open exclude each other")
+    if invite and not run_id:
+        from swarm.invite import invite_run_id
+
+        run_id = invite_run_id(invite)
     overrides = {
         "max_epochs": max_epochs,
         "run_id": run_id or f"demo-{time.strftime('%Y%m%d-%H%M%S')}",
         "log_dir": log_dir,
+        "invite": invite,
     }
     cfg = build_config(config, overrides)
     from swarm.log import setup_logging
@@ -478,7 +544,7 @@ def demo(peers: int, config: str, max_epochs: int | None, run_id: str | None, lo
     setup_logging()
     from peer.demo import run_demo
 
-    sys.exit(run_demo(cfg, config, peers))
+    sys.exit(run_demo(cfg, config, peers, invite_only=not open_swarm))
 
 
 if __name__ == "__main__":

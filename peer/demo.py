@@ -107,11 +107,27 @@ def _print_summary(cfg: ExperimentConfig, summaries: list[dict], wall: float) ->
     print(f"wall time {wall:.0f} s; logs and summaries under {Path(cfg.train.log_dir) / cfg.swarm.run_id}")
 
 
-def run_demo(cfg: ExperimentConfig, config_name: str, n_peers: int) -> int:
-    """Start a monitor and ``n_peers`` training peers on 127.0.0.1; 0 if every peer finished cleanly."""
+def _demo_invite(cfg: ExperimentConfig) -> str:
+    """A new owner key and one invite (valid for a day) under the run's folder; the invite's path."""
+    from swarm.invite import describe, load_or_create_owner_key, make_invite
+
+    run_dir = Path(cfg.train.log_dir) / cfg.swarm.run_id
+    key, _ = load_or_create_owner_key(run_dir / "owner.pem")
+    invite = make_invite(key, cfg.swarm.run_id, "demo", 86400.0)
+    invite.save(run_dir / "invite.tok")
+    print(f"Invite-only swarm ({describe(invite)}): owner key {run_dir / 'owner.pem'}, every peer uses "
+          f"--invite {run_dir / 'invite.tok'}; `swarm-peer demo --open` runs an open one", flush=True)
+    return str(run_dir / "invite.tok")
+
+
+def run_demo(cfg: ExperimentConfig, config_name: str, n_peers: int, invite_only: bool = True) -> int:
+    """Start a monitor and ``n_peers`` training peers on 127.0.0.1; 0 if every peer finished cleanly.
+    Invite-only unless ``invite_only`` is false: every peer uses ``cfg.swarm.invite`` or a new invite."""
     started = time.time()
     base = [sys.executable, "-m", "peer"]
     common = ["--config", config_name, "--run-id", cfg.swarm.run_id, "--log-dir", cfg.train.log_dir]
+    if invite_only:
+        common += ["--invite", cfg.swarm.invite or _demo_invite(cfg)]
     procs: dict[str, Child] = {}
     interrupted = False
     codes: dict[str, int | None] = {}

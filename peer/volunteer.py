@@ -17,12 +17,13 @@ from typing import Any
 import lightning as L
 import torch
 
-from swarm import metrics, traffic
+from swarm import fence, metrics, traffic
 from swarm.checkpoint import check_compatible, load_checkpoint, load_weights
 from swarm.config import ExperimentConfig, save_config
 from swarm.data import build_datasets, peer_seed, train_loader, val_loader
 from swarm.dht import check_addresses, join_command, start_dht, stop_dht
 from swarm.fingerprint import ConfigPublisher, check_against_swarm
+from swarm.invite import load_invite
 from swarm.layout import volunteer_dir
 from swarm.log import quiet_libraries
 from swarm.model import SwarmClassifier, autocast_dtype, evaluate, param_checksum, resolve_device
@@ -53,6 +54,8 @@ class SwarmReporter(L.Callback):
         self.start_checksum: list[float] | None = None
         self._warned: set = set()
         self.publisher: ConfigPublisher | None = None
+        invite = load_invite(cfg.swarm.invite, cfg.swarm.run_id) if cfg.swarm.invite else None
+        self.invite_expires = invite.certificate.expires if invite is not None else None
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -114,6 +117,11 @@ class SwarmReporter(L.Callback):
             return f"Reached global epoch {self.strategy.local_epoch} (max_epochs)"
         if train.max_time is not None and time.time() - self.started >= train.max_time:
             return f"Trained for {time.time() - self.started:.0f} s (max_time)"
+        if self.invite_expires is not None and time.time() >= self.invite_expires:
+            return (
+                f"This peer's invite expired at {time.strftime('%H:%M:%S UTC', time.gmtime(self.invite_expires))} "
+                "and the swarm no longer accepts it: ask the run's owner for a new one (swarm-peer invite)"
+            )
         return None
 
     def _on_new_epoch(self, module: L.LightningModule) -> None:
@@ -383,12 +391,13 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
         device,
     )
 
-    stop, dht, strategy, reporter = GracefulStop(), None, None, None
+    stop, dht, strategy, reporter, keeper = GracefulStop(), None, None, None, None
     stop.install()
     try:
         validators, public_key = metrics.make_validators(cfg.swarm.run_id)
         dht = start_dht(cfg.swarm, validators)
         check_against_swarm(dht, cfg)  # before any averager exists: a mismatch never touches the swarm
+        keeper = fence.attach(dht, public_key)  # invite-only: our PeerID's proof, our averagers fenced
         publisher = ConfigPublisher(dht, cfg, public_key, peer_name)
         publisher.maybe_publish()
         strategy = HivemindStrategy.from_swarm_config(
@@ -410,6 +419,8 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
         log.info("Interrupted while %s; leaving now", "starting" if reporter is None else "averaging")
     finally:
         stop.restore()
+        if keeper is not None:
+            keeper.stop()
         if strategy is not None:
             strategy.shutdown()
         elif dht is not None:

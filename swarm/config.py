@@ -124,6 +124,9 @@ class SwarmConfig:
     """Private key file; makes the peer ID (and thus the join address) stable across restarts."""
     client_mode: bool = False
     """Accept no incoming connections; required behind NAT (Colab, Kaggle, home routers)."""
+    invite: str | None = None
+    """Invite file (from `swarm-peer invite`): this peer then takes part only with peers that hold an invite
+    of the same owner, and they only with it (swarm/fence.py). None: an open swarm that anyone may join."""
     target_batch_size: int = 4096
     """Samples the whole swarm accumulates before one optimizer step (one global epoch)."""
     matchmaking_time: float = 5.0

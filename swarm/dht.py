@@ -15,6 +15,8 @@ from typing import Any
 import hivemind
 
 from swarm.config import SwarmConfig
+from swarm.fence import InviteAuthorizer
+from swarm.invite import load_invite
 from swarm.layout import join_line
 
 log = logging.getLogger(__name__)
@@ -79,10 +81,13 @@ def check_multiaddrs(maddrs: Sequence[str], option: str, need_peer_id: bool = Fa
 
 
 def check_addresses(cfg: SwarmConfig) -> None:
-    """Validate every multiaddr of ``cfg`` before any slow work; raises ValueError naming the option."""
+    """Validate every multiaddr of ``cfg`` and its invite before any slow work; raises ValueError (or
+    InviteError, one of them) naming the option."""
     check_multiaddrs(cfg.initial_peers, "--initial-peers", need_peer_id=True)
     check_multiaddrs(cfg.host_maddrs, "--host-maddr")
     check_multiaddrs(cfg.announce_maddrs, "--announce-maddr")
+    if cfg.invite:
+        load_invite(cfg.invite, cfg.run_id)
 
 
 def start_dht(cfg: SwarmConfig, record_validators: Sequence = ()) -> hivemind.DHT:
@@ -92,6 +97,7 @@ def start_dht(cfg: SwarmConfig, record_validators: Sequence = ()) -> hivemind.DH
     ``cfg.bootstrap_timeout`` seconds. Call ``dht.shutdown()`` when done; it stops the daemon too.
     """
     check_addresses(cfg)
+    invite = load_invite(cfg.invite, cfg.run_id) if cfg.invite else None
     kwargs = dict(
         initial_peers=list(cfg.initial_peers),
         host_maddrs=list(cfg.host_maddrs),
@@ -106,15 +112,24 @@ def start_dht(cfg: SwarmConfig, record_validators: Sequence = ()) -> hivemind.DH
     )
     if cfg.announce_maddrs:
         kwargs["announce_maddrs"] = list(cfg.announce_maddrs)
+    if invite is not None:
+        kwargs["authorizer"] = InviteAuthorizer(invite)
     try:
-        return SwarmDHT(**kwargs)
+        dht = SwarmDHT(**kwargs)
+        dht.swarm_invite = invite  # swarm.fence.attach fences the averagers built on this DHT
+        return dht
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if cfg.initial_peers:
             raise SwarmConnectionError(
                 f"could not reach the initial peers {', '.join(cfg.initial_peers)} ({first}). Check the "
                 "address and port, that the first peer is still running, that its firewall or security group "
-                "allows the TCP port, and use --client-mode if this machine is behind NAT"
+                "allows the TCP port, and use --client-mode if this machine is behind NAT. "
+                + (
+                    "The swarm also refuses an invite of another run or owner, and an expired or revoked one"
+                    if invite is not None
+                    else "If the swarm is invite-only, pass the invite file you were sent with --invite"
+                )
             ) from None
         raise SwarmConnectionError(
             f"could not start the p2p node on {', '.join(cfg.host_maddrs)} ({first}). Check that the port is "
@@ -147,6 +162,8 @@ def join_command(dht: hivemind.DHT, run_id: str | None = None, config: str | Non
         line += f" --config {config}"
     if run_id:
         line += f" --run-id {run_id}"
+    if getattr(dht, "swarm_invite", None) is not None:
+        line += " --invite <the invite file you were sent>"
     return line
 
 

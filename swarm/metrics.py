@@ -75,14 +75,29 @@ class ConfigRecord(BaseModel):
     peer_name: constr(max_length=64, strict=True)
 
 
+def members_key(run_id: str) -> str:
+    """The DHT key under which every peer of an invite-only ``run_id`` ties its PeerID to its invite."""
+    return f"{run_id}_members"
+
+
+class MemberRecord(BaseModel):
+    """A peer's proof that it holds an invite (swarm/fence.py): its PeerID (base58), the invite's
+    certificate as text, and the invite key's signature over the run and the PeerID (base64)."""
+
+    peer_id: constr(max_length=128, strict=True)
+    certificate: constr(max_length=2000, strict=True)
+    signature: constr(max_length=200, strict=True)
+
+
 def _schema():
     from hivemind.dht.schema import BytesWithPublicKey
 
     class MetricSchema(BaseModel):
-        """DHT schema: the metrics and config keys map public keys (subkeys) to their records."""
+        """DHT schema: the metrics, config and members keys map public keys (subkeys) to their records."""
 
         metrics: dict[BytesWithPublicKey, LocalMetrics]
         config: dict[BytesWithPublicKey, ConfigRecord]
+        members: dict[BytesWithPublicKey, MemberRecord]
 
     return MetricSchema
 

@@ -1,0 +1,239 @@
+"""Invite-only swarms (swarm/invite.py, swarm/fence.py) on real hivemind DHTs, p2p daemons and averagers on
+127.0.0.1: invited peers average together, and an uninvited client written with hivemind's public API alone
+is refused at every entry point (the DHT's RPCs, rpc_join_group, rpc_aggregate_part, rpc_download_state),
+as are a peer whose invite another owner signed and one whose invite expired."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+
+import hivemind
+import pytest
+import torch
+from click.testing import CliRunner
+from hivemind.averaging import DecentralizedAverager
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from swarm import fence, metrics
+from swarm.config import SwarmConfig
+from swarm.dht import SwarmConnectionError, start_dht
+from swarm.invite import InviteError, load_invite, load_or_create_owner_key, make_invite
+from swarm.procs import remove_stale_sockets
+from swarm.waiting import wait_until
+
+RUN = "pytest-invite"
+PREFIX = f"{RUN}_state"
+
+# An uninvited peer, written from hivemind's documentation alone (nothing of this project is imported): it
+# joins the DHT through the address a peer printed and calls each entry point; prints what it got as JSON.
+PLAIN_CLIENT = r"""
+import asyncio, json, sys
+import hivemind
+from hivemind.averaging import DecentralizedAverager
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import as_aiter
+
+maddr, peer_id, prefix, run = sys.argv[1:5]
+dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[maddr],
+                   ensure_bootstrap_success=False)
+dht.store(f"{run}_note", value="an intruder was here", expiration_time=get_dht_time() + 60)
+found = dht.get(f"{run}_members", latest=True)
+out = {"read": "nothing" if found is None else "member records: " + str(len(found.value))}
+
+async def first_reply(call):
+    try:
+        stream = await call
+        message = await asyncio.wait_for(anext(stream), 20)
+        return "answered: " + type(message).__name__ + " " + str(message)[:60].replace("\n", " ")
+    except StopAsyncIteration:
+        return "answered: end of stream"
+    except Exception as exc:
+        return "refused: " + str(exc)
+
+async def calls():
+    p2p = await dht.replicate_p2p()
+    stub = DecentralizedAverager.get_stub(p2p, PeerID.from_base58(peer_id), namespace=prefix)
+    request = averaging_pb2.JoinRequest(schema_hash=b"x", expiration=get_dht_time() + 5, group_key=prefix + ".0b")
+    return {
+        "join_group": await first_reply(stub.rpc_join_group(request)),
+        "aggregate_part": await first_reply(stub.rpc_aggregate_part(as_aiter(averaging_pb2.AveragingData(group_id=b"x")))),
+        "download_state": await first_reply(stub.rpc_download_state(averaging_pb2.DownloadRequest())),
+    }
+
+out.update(asyncio.run(calls()))
+print(json.dumps(out), flush=True)
+dht.shutdown()
+"""
+
+
+@pytest.fixture
+def invites(tmp_path):
+    owner, created = load_or_create_owner_key(tmp_path / "owner.pem")
+    stranger, _ = load_or_create_owner_key(tmp_path / "stranger.pem")
+    paths = {}
+    for name, key, lifetime in [("alice", owner, 3600), ("bob", owner, 3600), ("mallory", stranger, 3600)]:
+        make_invite(key, RUN, name, lifetime).save(tmp_path / f"{name}.tok")
+        paths[name] = str(tmp_path / f"{name}.tok")
+    paths["owner"] = owner
+    return paths
+
+
+@pytest.fixture
+def cleanup():
+    """Shut down every DHT and averager the test registers, then remove the sockets it left."""
+    started, things = time.time(), []
+    yield things
+    for thing in reversed(things):
+        thing.stop() if isinstance(thing, fence.MemberKeeper) else thing.shutdown()
+    remove_stale_sockets(since=started, settle=1.0)
+
+
+def _peer(invite: str | None, initial: list[str], cleanup: list) -> hivemind.DHT:
+    """A DHT of this project (started as every role starts it), its member record published; the key its
+    records are signed with is ``dht.record_key``."""
+    cfg = SwarmConfig(run_id=RUN, host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=tuple(initial),
+                      invite=invite, bootstrap_timeout=5.0)
+    validators, public_key = metrics.make_validators(RUN, RSAPrivateKey())
+    dht = start_dht(cfg, validators)
+    cleanup.append(dht)
+    dht.record_key = public_key
+    keeper = fence.attach(dht, public_key)
+    if keeper is not None:
+        cleanup.append(keeper)
+    return dht
+
+
+def _averager(dht: hivemind.DHT, value: float, cleanup: list) -> DecentralizedAverager:
+    averager = DecentralizedAverager(
+        [torch.full((1000,), value)], dht=dht, prefix=PREFIX, target_group_size=2, min_group_size=2,
+        min_matchmaking_time=2.0, request_timeout=1.0, start=True,
+    )
+    cleanup.append(averager)
+    return averager
+
+
+def _plain_client(dht: hivemind.DHT) -> dict:
+    """Run PLAIN_CLIENT against ``dht``'s peer; what it saw at each entry point."""
+    address = str(dht.get_visible_maddrs()[0])
+    proc = subprocess.run(
+        [sys.executable, "-c", PLAIN_CLIENT, address, str(dht.peer_id), PREFIX, RUN],
+        capture_output=True, text=True, timeout=120, start_new_session=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_an_invite_file_is_checked_before_use(tmp_path, invites):
+    mode = stat.S_IMODE(os.stat(tmp_path / "owner.pem").st_mode)
+    assert mode == 0o600 and stat.S_IMODE(os.stat(invites["alice"]).st_mode) == 0o600
+    assert load_invite(invites["alice"], RUN).certificate.name == "alice"
+    with pytest.raises(InviteError, match="is for run 'pytest-invite', not 'other-run'"):
+        load_invite(invites["alice"], "other-run")
+    with pytest.raises(InviteError, match="does not exist"):
+        load_invite(tmp_path / "missing.tok")
+    body = json.loads(open(invites["alice"]).read())
+    body["certificate"]["expires"] += 86400 * 365  # a holder who extends the invite breaks the signature
+    (tmp_path / "altered.tok").write_text(json.dumps(body))
+    with pytest.raises(InviteError, match="signature is invalid"):
+        load_invite(tmp_path / "altered.tok")
+    (tmp_path / "junk.tok").write_text("not json")
+    with pytest.raises(InviteError, match="not a swarm-trainer invite"):
+        load_invite(tmp_path / "junk.tok")
+    make_invite(invites["owner"], RUN, "late", 0.01).save(tmp_path / "late.tok")
+    time.sleep(0.05)
+    with pytest.raises(InviteError, match="expired at"):
+        load_invite(tmp_path / "late.tok")
+
+
+def test_invite_command_creates_the_key_once_and_join_refuses_a_bad_invite(tmp_path):
+    from peer.cli import main
+
+    runner = CliRunner()
+    args = ["invite", "--owner-key", str(tmp_path / "o.pem"), "--run-id", RUN, "--name", "carol"]
+    first = runner.invoke(main, [*args, "--out", str(tmp_path / "c1.tok"), "--expires", "2h"])
+    assert first.exit_code == 0, first.output
+    assert "Created the owner key" in first.output and "'carol'" in first.output
+    second = runner.invoke(main, [*args, "--out", str(tmp_path / "c2.tok")])
+    assert second.exit_code == 0 and "Created" not in second.output
+    owners = {json.loads(open(tmp_path / f).read())["certificate"]["owner_key"] for f in ("c1.tok", "c2.tok")}
+    assert len(owners) == 1  # both signed by the one key the first call created
+    bad = runner.invoke(main, [*args, "--out", str(tmp_path / "c3.tok"), "--expires", "soon"])
+    assert bad.exit_code != 0 and "is not a duration" in bad.output
+    (tmp_path / "junk.tok").write_text("{}")
+    joined = runner.invoke(main, ["join", "--config", "demo", "--invite", str(tmp_path / "junk.tok")])
+    assert joined.exit_code == 1
+    assert joined.output.strip().splitlines() == [
+        f"Error: {tmp_path / 'junk.tok'} is not a swarm-trainer invite (damaged or another file); ask the run's "
+        "owner for a new one"
+    ]
+
+
+def test_invited_peers_average_and_an_uninvited_client_is_refused_everywhere(invites, cleanup):
+    a = _peer(invites["alice"], [], cleanup)
+    b = _peer(invites["bob"], [str(m) for m in a.get_visible_maddrs()], cleanup)
+    first, second = _averager(a, 1.0, cleanup), _averager(b, 3.0, cleanup)
+    for control in [first.step(wait=False), second.step(wait=False)]:
+        assert control.result(timeout=60) is not None, "the two invited peers did not average"
+    for averager in (first, second):
+        with averager.get_tensors() as (tensor,):
+            assert torch.allclose(tensor, torch.full((1000,), 2.0))
+
+    seen = _plain_client(a)
+    assert seen["read"] == "nothing"  # the member records of a and b are there, but not for it
+    for entry in ("join_group", "aggregate_part", "download_state"):
+        assert seen[entry].startswith("refused: ") and "is invite-only" in seen[entry], (entry, seen[entry])
+    assert a.get(f"{RUN}_note", latest=True) is None and b.get(f"{RUN}_note", latest=True) is None
+    with first.get_tensors() as (tensor,):
+        assert torch.allclose(tensor, torch.full((1000,), 2.0))
+
+
+def test_the_same_client_is_served_by_an_open_swarm(cleanup):
+    """The control for the test above: what the uninvited client gets where no fence stands."""
+    open_peer = _peer(None, [], cleanup)
+    _averager(open_peer, 1.0, cleanup)
+    seen = _plain_client(open_peer)
+    assert wait_until(lambda: open_peer.get(f"{RUN}_note", latest=True) is not None, timeout=5)
+    assert seen["join_group"].startswith("answered: MessageFromLeader")
+    assert seen["aggregate_part"].startswith("answered: AveragingData")  # BAD_GROUP_ID, but an answer
+    assert seen["download_state"].startswith("answered: DownloadData")  # the state itself
+
+
+def test_invites_of_another_owner_and_expired_ones_are_refused(tmp_path, invites, cleanup):
+    a = _peer(invites["alice"], [], cleanup)
+    address = [str(m) for m in a.get_visible_maddrs()]
+    with pytest.raises(SwarmConnectionError, match="refuses an invite of another run or owner"):
+        _peer(invites["mallory"], address, cleanup)
+    with pytest.raises(SwarmConnectionError, match="If the swarm is invite-only, pass the invite"):
+        _peer(None, address, cleanup)
+
+    make_invite(invites["owner"], RUN, "dave", 6.0).save(tmp_path / "dave.tok")
+    dave = _peer(str(tmp_path / "dave.tok"), address, cleanup)
+    gate = fence.Fence(load_invite(invites["alice"]))
+
+    def check(peer: hivemind.DHT) -> str:
+        try:
+            asyncio.run(gate.check(peer.peer_id, a, "a test"))
+            return "admitted"
+        except fence.NotInvited as exc:
+            return str(exc)
+
+    assert check(dave) == "admitted"
+    record = metrics.LocalMetrics(peer_name="dave", global_epoch=1, samples_per_second=1.0, loss=1.0,
+                                  samples_accumulated=0, mini_steps=0, time=time.time())
+    assert metrics.publish(dave, RUN, dave.record_key, record, 60).result(timeout=10)
+    assert wait_until(lambda: len(metrics.fetch(a, RUN)) == 1, timeout=10)
+    expires = load_invite(tmp_path / "dave.tok").certificate.expires
+    time.sleep(max(0.0, expires - time.time()) + 0.5)
+    assert "its invite expired" in check(dave)
+    metrics.publish(dave, RUN, dave.record_key, record.copy(update={"global_epoch": 2}), 60).result(timeout=10)
+    time.sleep(1.0)
+    assert [r.global_epoch for r in metrics.fetch(a, RUN).values()] == [1]  # its new record never reached A

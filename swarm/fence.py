@@ -24,16 +24,21 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import secrets
 import threading
 import time
 from typing import Any
 
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
 from hivemind.proto.auth_pb2 import AccessToken
-from hivemind.utils.auth import TokenAuthorizerBase
+from hivemind.utils.auth import AuthorizerBase
+from hivemind.utils.timed_storage import TimedStorage, get_dht_time
 
 from swarm.invite import Certificate, Invite, InviteError
-from swarm.metrics import MemberRecord, members_key, subkey_entries
+from swarm.metrics import MemberRecord, members_key
 
 log = logging.getLogger(__name__)
 
@@ -57,72 +62,118 @@ def _token_bytes(token: AccessToken) -> bytes:
     return b"swarm-trainer token|" + token.username.encode() + b"|" + token.public_key + b"|" + token.expiration_time.encode()
 
 
-class InviteAuthorizer(TokenAuthorizerBase):
-    """hivemind's token authorizer for the DHT, with access tokens made from an invite.
+class InviteAuthorizer(AuthorizerBase):
+    """Signs and checks the DHT's requests and responses with access tokens made from an invite.
 
-    The token names the invite's certificate (``username``), this node's RSA key (``public_key``, which
-    signs each request) and the invite's expiry, and is signed with the invite's private key. A token is
-    valid if its certificate is the run owner's, unexpired and not revoked, and its signature is the
-    invite holder's.
+    The protocol is hivemind's TokenAuthorizerBase (hivemind/utils/auth.py): each request carries the
+    sender's access token, the time, a nonce and a signature over the whole request, and each response the
+    responder's token and signature and the request's nonce. What differs:
+
+    - The token holds the invite's certificate (``username``), a key this node made for itself
+      (``public_key``) and the invite's expiry, and is signed with the invite's private key. It is valid if
+      the certificate is the run owner's, for this run, unexpired and not revoked, and its signature is the
+      invite holder's.
+    - Requests and responses are signed with Ed25519, not RSA-2048: a store among 3 nodes took 19 ms of the
+      DHT processes' CPU with RSA signatures and repeated certificate checks, against 4 ms unfenced.
+    - A token's signatures are verified once, then remembered; expiry and revocation are checked each time.
     """
 
-    def __init__(self, invite: Invite, revoked: frozenset[str] = frozenset()) -> None:
-        super().__init__()
-        self.invite, self.revoked = invite, set(revoked)
-        self._verdicts: dict[bytes, tuple[str | None, Certificate | None]] = {}
-        self._warned: set[bytes] = set()
+    MAX_CLOCK_SKEW = 60.0  # seconds; hivemind's _MAX_CLIENT_SERVICER_TIME_DIFF
 
-    async def get_token(self) -> AccessToken:
-        cert = self.invite.certificate
-        token = AccessToken(
+    def __init__(self, invite: Invite, revoked: frozenset[str] = frozenset()) -> None:
+        self.invite, self.revoked = invite, set(revoked)
+        self._key = Ed25519PrivateKey.generate()
+        cert = invite.certificate
+        self.token = AccessToken(
             username=cert.to_text(),
-            public_key=self.local_public_key.to_bytes(),
+            public_key=self._key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw),
             expiration_time=repr(cert.expires),
         )
-        token.signature = self.invite.sign(_token_bytes(token))
-        return token
+        self.token.signature = invite.sign(_token_bytes(self.token))
+        self._verdicts: dict[bytes, tuple[str | None, Certificate | None, Ed25519PublicKey | None]] = {}
+        self._nonces = TimedStorage()
+        self._warned: set[bytes] = set()
 
-    def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
-        return False  # an invite cannot be renewed; an expired one is refused by everyone, this node too
-
-    def token_problem(self, token: AccessToken) -> str | None:
-        """None if ``token`` admits its sender, else why not."""
+    def _verdict(self, token: AccessToken) -> tuple[str | None, Ed25519PublicKey | None]:
+        """(None, the sender's key) if ``token`` admits its sender, else (why not, None)."""
         key = token.SerializeToString()
         if key not in self._verdicts:
-            self._verdicts[key] = self._judge(token)
-            if len(self._verdicts) > 4096:  # tokens are per peer; a flood of forged ones must not grow this
+            if len(self._verdicts) >= 4096:  # one token per node; a flood of forged ones must not grow this
                 self._verdicts.pop(next(iter(self._verdicts)))
-        problem, cert = self._verdicts[key]
-        if problem is None and cert is not None:  # expiry and revocation can change after the first check
-            problem = cert.problem(self.invite.owner_key, self.invite.run_id, time.time())
-            if problem is None and cert.name in self.revoked:
+            self._verdicts[key] = self._judge(token)
+        problem, cert, sender = self._verdicts[key]
+        if problem is None and cert is not None:  # expiry and revocation may change after the first check
+            if cert.expires <= time.time():
+                problem = f"its invite {cert.name!r} expired"
+            elif cert.name in self.revoked:
                 problem = f"its invite {cert.name!r} was revoked by the owner"
-        return problem
+        return problem, (sender if problem is None else None)
 
-    def _judge(self, token: AccessToken) -> tuple[str | None, Certificate | None]:
+    def _judge(self, token: AccessToken) -> tuple[str | None, Certificate | None, Ed25519PublicKey | None]:
         if not token.username:
-            return "it shows no invite", None
+            return "it shows no invite", None, None
         try:
             cert = Certificate.from_text(token.username)
-        except InviteError as exc:
-            return str(exc), None
+            sender = Ed25519PublicKey.from_public_bytes(token.public_key)
+        except (InviteError, ValueError):
+            return "its invite is malformed", None, None
         problem = cert.problem(self.invite.owner_key, self.invite.run_id, time.time())
         if problem is None and not cert.verify_by_holder(_token_bytes(token), token.signature):
             problem = "its access token is not signed by the invite's holder"
-        return problem, cert
+        return problem, cert, sender
 
-    def is_token_valid(self, access_token: AccessToken) -> bool:
-        return self.token_problem(access_token) is None
+    def _refuse(self, token: AccessToken, problem: str, what: str) -> bool:
+        sender = token.public_key or b"anonymous"
+        if sender not in self._warned:
+            self._warned.add(sender)
+            log.warning("Refused a DHT %s: %s", what, _refusal(self.invite.run_id, "a peer", problem))
+        return False
+
+    @staticmethod
+    def _signed_by(message: Any, auth: Any, sender: Ed25519PublicKey) -> bool:
+        signature, auth.signature = auth.signature, b""
+        try:
+            sender.verify(signature, message.SerializeToString())
+            return True
+        except InvalidSignature:
+            return False
+
+    async def sign_request(self, request: Any, service_public_key: Any) -> None:
+        auth = request.auth
+        auth.client_access_token.CopyFrom(self.token)
+        if service_public_key is not None:
+            auth.service_public_key = service_public_key.to_bytes()
+        auth.time = get_dht_time()
+        auth.nonce = secrets.token_bytes(8)
+        auth.signature = self._key.sign(request.SerializeToString())
 
     async def validate_request(self, request: Any) -> bool:
-        problem = self.token_problem(request.auth.client_access_token)
-        if problem is not None:
-            sender = request.auth.client_access_token.public_key or b"anonymous"
-            if sender not in self._warned:
-                self._warned.add(sender)
-                log.warning("Refused a DHT request: %s", _refusal(self.invite.run_id, "a peer", problem))
-            return False
-        return await super().validate_request(request)
+        auth = request.auth
+        problem, sender = self._verdict(auth.client_access_token)
+        if sender is None:
+            return self._refuse(auth.client_access_token, problem or "", "request")
+        if not self._signed_by(request, auth, sender):
+            return self._refuse(auth.client_access_token, "its request's signature is invalid", "request")
+        now = get_dht_time()
+        with self._nonces.freeze():
+            if abs(auth.time - now) > self.MAX_CLOCK_SKEW or auth.nonce in self._nonces:
+                log.debug("A DHT request was replayed, or the clocks differ by more than a minute")
+                return False
+        self._nonces.store(auth.nonce, None, now + 3 * self.MAX_CLOCK_SKEW)
+        return True
+
+    async def sign_response(self, response: Any, request: Any) -> None:
+        auth = response.auth
+        auth.service_access_token.CopyFrom(self.token)
+        auth.nonce = request.auth.nonce
+        auth.signature = self._key.sign(response.SerializeToString())
+
+    async def validate_response(self, response: Any, request: Any) -> bool:
+        auth = response.auth
+        problem, sender = self._verdict(auth.service_access_token)
+        if sender is None:
+            return self._refuse(auth.service_access_token, problem or "", "response")
+        return self._signed_by(response, auth, sender) and auth.nonce == request.auth.nonce
 
 
 class Fence:

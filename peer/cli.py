@@ -494,11 +494,58 @@ def invite(owner_key: str, run_id: str, out: str, expires: str, name: str | None
         raise click.BadParameter("at most 64 printable characters", param_hint="--name")
     key, created = load_or_create_owner_key(owner_key)
     if created:
-        click.echo(f"Created the owner key {owner_key} (keep it secret; every invite of the run is signed with it)")
+        click.echo(
+            f"Created the owner key {owner_key} (keep it secret; every invite of the run is signed with it)"
+        )
     made = make_invite(key, run_id, name, parse_duration(expires))
     made.save(out)
     click.echo(f"Wrote {out}: {describe(made)}")
     click.echo(f"The volunteer runs: swarm-peer join --invite {out} --initial-peers <the swarm's address>")
+
+
+@main.command()
+@click.option(
+    "--owner-key", required=True, type=click.Path(dir_okay=False), help="The run owner's private key (PEM)."
+)
+@click.option("--run-id", required=True, help="The run whose invites to revoke.")
+@click.option(
+    "--name", "names", multiple=True, required=True, help="Name of an invite to revoke (repeatable)."
+)
+@click.option("--initial-peers", multiple=True, required=True, help="Multiaddr of a running peer of the run.")
+@click.option("--verbose", is_flag=True, help="Show hivemind's internal events.")
+@_fail_cleanly
+def revoke(
+    owner_key: str, run_id: str, names: tuple[str, ...], initial_peers: tuple[str, ...], verbose: bool
+) -> None:
+    """Revoke invites by name: the owner signs the list and stores it in the run's DHT, and every peer then
+    refuses their holders (within about 10 s). Needs a running peer of the run."""
+    from pathlib import Path as _Path
+
+    from swarm.invite import InviteError, load_or_create_owner_key, make_invite
+
+    if not _Path(owner_key).is_file():
+        raise InviteError(
+            f"owner key {owner_key} does not exist; revoking needs the key that signed the invites"
+        )
+    cfg = _config_from({"run_id": run_id, "initial_peers": initial_peers, "client_mode": True})
+    from swarm.log import setup_logging
+
+    setup_logging(verbose)
+    from swarm import fence, metrics
+    from swarm.dht import start_dht, stop_dht
+
+    key, _ = load_or_create_owner_key(owner_key)
+    validators, public_key = metrics.make_validators(run_id)
+    dht = start_dht(cfg.swarm, validators, invite=make_invite(key, run_id, "owner", 600.0))
+    try:
+        every = fence.revoke(dht, key, run_id, list(names), public_key)
+    finally:
+        stop_dht(dht)
+    click.echo(
+        f"Revoked {', '.join(repr(n) for n in names)} in run {run_id!r}; peers refuse them within about "
+        f"10 s. Revoked so far: {', '.join(every)}"
+    )
+    _exit_quietly()
 
 
 @main.command()

@@ -115,8 +115,11 @@ def _demo_invite(cfg: ExperimentConfig) -> str:
     key, _ = load_or_create_owner_key(run_dir / "owner.pem")
     invite = make_invite(key, cfg.swarm.run_id, "demo", 86400.0)
     invite.save(run_dir / "invite.tok")
-    print(f"Invite-only swarm ({describe(invite)}): owner key {run_dir / 'owner.pem'}, every peer uses "
-          f"--invite {run_dir / 'invite.tok'}; `swarm-peer demo --open` runs an open one", flush=True)
+    print(
+        f"Invite-only swarm ({describe(invite)}): owner key {run_dir / 'owner.pem'}, every peer uses "
+        f"--invite {run_dir / 'invite.tok'}; `swarm-peer demo --open` runs an open one",
+        flush=True,
+    )
     return str(run_dir / "invite.tok")
 
 

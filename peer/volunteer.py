@@ -117,9 +117,13 @@ class SwarmReporter(L.Callback):
             return f"Reached global epoch {self.strategy.local_epoch} (max_epochs)"
         if train.max_time is not None and time.time() - self.started >= train.max_time:
             return f"Trained for {time.time() - self.started:.0f} s (max_time)"
+        watcher = getattr(self.strategy.dht, "swarm_revocations", None)
+        if watcher is not None and watcher.self_revoked.is_set():
+            return "The run's owner revoked this peer's invite, and the swarm refuses it"
         if self.invite_expires is not None and time.time() >= self.invite_expires:
             return (
-                f"This peer's invite expired at {time.strftime('%H:%M:%S UTC', time.gmtime(self.invite_expires))} "
+                "This peer's invite expired at "
+                f"{time.strftime('%H:%M:%S UTC', time.gmtime(self.invite_expires))} "
                 "and the swarm no longer accepts it: ask the run's owner for a new one (swarm-peer invite)"
             )
         return None

@@ -15,8 +15,8 @@ from typing import Any
 import hivemind
 
 from swarm.config import SwarmConfig
-from swarm.fence import InviteAuthorizer
-from swarm.invite import load_invite
+from swarm.fence import InviteAuthorizer, RevocationWatcher
+from swarm.invite import Invite, load_invite
 from swarm.layout import join_line
 
 log = logging.getLogger(__name__)
@@ -90,14 +90,19 @@ def check_addresses(cfg: SwarmConfig) -> None:
         load_invite(cfg.invite, cfg.run_id)
 
 
-def start_dht(cfg: SwarmConfig, record_validators: Sequence = ()) -> hivemind.DHT:
+def start_dht(
+    cfg: SwarmConfig, record_validators: Sequence = (), invite: Invite | None = None
+) -> hivemind.DHT:
     """Start this process's DHT node (and its p2p daemon) and connect it to ``cfg.initial_peers``.
 
     Raises SwarmConnectionError with advice when the initial peers cannot be reached within
-    ``cfg.bootstrap_timeout`` seconds. Call ``dht.shutdown()`` when done; it stops the daemon too.
+    ``cfg.bootstrap_timeout`` seconds. With an invite (``invite``, else ``cfg.invite``) the DHT admits only
+    peers with an invite of the same owner (swarm/fence.py) and watches the owner's revocations.
+    Call ``stop_dht(dht)`` when done; it stops the daemon too.
     """
     check_addresses(cfg)
-    invite = load_invite(cfg.invite, cfg.run_id) if cfg.invite else None
+    if invite is None and cfg.invite:
+        invite = load_invite(cfg.invite, cfg.run_id)
     kwargs = dict(
         initial_peers=list(cfg.initial_peers),
         host_maddrs=list(cfg.host_maddrs),
@@ -117,6 +122,9 @@ def start_dht(cfg: SwarmConfig, record_validators: Sequence = ()) -> hivemind.DH
     try:
         dht = SwarmDHT(**kwargs)
         dht.swarm_invite = invite  # swarm.fence.attach fences the averagers built on this DHT
+        if invite is not None:
+            dht.swarm_revocations = RevocationWatcher(dht, invite)
+            dht.swarm_revocations.start()
         return dht
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -171,6 +179,9 @@ def stop_dht(dht: hivemind.DHT, network_alive: bool | None = None) -> None:
     """Shut the DHT and its p2p daemon down; if the daemon already died, terminate the DHT quietly."""
     from swarm.procs import p2p_daemon_alive
 
+    watcher = getattr(dht, "swarm_revocations", None)
+    if watcher is not None:
+        watcher.stop()
     if not dht.is_alive():
         return
     if network_alive is None:

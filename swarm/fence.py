@@ -1,4 +1,4 @@
-"""The fence of an invite-only swarm: every entry point admits only peers that hold an invite of the run's owner.
+"""The fence of an invite-only swarm: every entry point admits only peers with an invite of the run's owner.
 
 hivemind 1.1.12 has two kinds of entry point, fenced in two ways:
 
@@ -37,8 +37,8 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import AuthorizerBase
 from hivemind.utils.timed_storage import TimedStorage, get_dht_time
 
-from swarm.invite import Certificate, Invite, InviteError
-from swarm.metrics import MemberRecord, members_key
+from swarm.invite import Certificate, Invite, InviteError, revoked_names
+from swarm.metrics import MemberRecord, members_key, revoked_key
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,14 @@ def member_bytes(run_id: str, peer_id: str) -> bytes:
 
 
 def _token_bytes(token: AccessToken) -> bytes:
-    return b"swarm-trainer token|" + token.username.encode() + b"|" + token.public_key + b"|" + token.expiration_time.encode()
+    return (
+        b"swarm-trainer token|"
+        + token.username.encode()
+        + b"|"
+        + token.public_key
+        + b"|"
+        + token.expiration_time.encode()
+    )
 
 
 class InviteAuthorizer(AuthorizerBase):
@@ -183,7 +190,8 @@ class Fence:
     meets a PeerID it does not know, at most every ``refresh_period`` seconds.
     """
 
-    refresh_period = 0.25
+    refresh_period = 0.25  # seconds between two reads of the records, when a PeerID is unknown
+    recheck_period = 10.0  # seconds after which a known member is checked again (revocations)
 
     def __init__(self, invite: Invite) -> None:
         self.run_id, self.owner_key = invite.run_id, invite.owner_key
@@ -224,16 +232,20 @@ class Fence:
             self._last_refresh = time.monotonic()
             try:
                 result = await dht.get(members_key(self.run_id), latest=True, return_future=True)
+                revoked = await dht.get(revoked_key(self.run_id), latest=True, return_future=True)
             except Exception as exc:
                 log.debug("Could not read the member records: %r", exc)
                 return
             if result is not None and isinstance(result.value, dict):
                 self.learn(result.value)
+            if revoked is not None and isinstance(revoked.value, dict):
+                records = [entry.value for entry in revoked.value.values() if isinstance(entry.value, dict)]
+                self.revoked |= revoked_names(records, self.owner_key, self.run_id)
 
     async def check(self, peer_id: Any, dht: Any, role: str) -> None:
         """Return if ``peer_id`` holds an invite of this run; raise NotInvited otherwise."""
         text = str(peer_id)
-        if self.admitted(text):
+        if self.admitted(text) and time.monotonic() - self._last_refresh < self.recheck_period:
             return
         await self.refresh(dht)
         if self.admitted(text):
@@ -386,3 +398,75 @@ def attach(dht: Any, public_key: bytes) -> MemberKeeper | None:
     keeper = MemberKeeper(dht, invite, public_key)
     keeper.start()
     return keeper
+
+
+async def _revoke_in_dht_process(names: set[str], dht: Any, node: Any) -> None:
+    node.protocol.authorizer.revoked.update(names)
+
+
+class RevocationWatcher(threading.Thread):
+    """Reads the owner's revocation records every ``period`` seconds and hands new names to this node's
+    DHT authorizer (in the DHT process); ``self_revoked`` is set once this peer's own invite is revoked."""
+
+    period = 10.0
+
+    def __init__(self, dht: Any, invite: Invite) -> None:
+        super().__init__(name="swarm-revocations", daemon=True)
+        self.dht, self.invite = dht, invite
+        self.revoked: set[str] = set()
+        self.self_revoked = threading.Event()
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        from functools import partial
+
+        while not self._stop_event.wait(self.period) and self.dht.is_alive():
+            try:
+                found = self.dht.get(revoked_key(self.invite.run_id), latest=True, return_future=True).result(
+                    10
+                )
+                records = (
+                    [e.value for e in found.value.values()] if found and isinstance(found.value, dict) else []
+                )
+                new = revoked_names(records, self.invite.owner_key, self.invite.run_id) - self.revoked
+                if new:
+                    self.dht.run_coroutine(partial(_revoke_in_dht_process, new))
+                    self.revoked |= new
+                    log.warning(
+                        "The run's owner revoked the invites %s; peers that hold them are refused",
+                        sorted(new),
+                    )
+                    if self.invite.certificate.name in new:
+                        self.self_revoked.set()
+            except Exception as exc:  # the next turn tries again
+                log.debug("Could not read the revocations: %r", exc)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+def revoke(
+    dht: Any, owner: Any, run_id: str, names: list[str], public_key: bytes, timeout: float = 10.0
+) -> list[str]:
+    """Publish a revocation record (the owner's signature over ``names`` and those revoked before); the
+    names now revoked. ``dht`` must be started with an invite of ``owner``."""
+    from hivemind.utils import get_dht_time
+
+    from swarm.invite import sign_revocation
+    from swarm.metrics import RevocationRecord
+
+    found = dht.get(revoked_key(run_id), latest=True, return_future=True).result(timeout)
+    records = [e.value for e in found.value.values()] if found and isinstance(found.value, dict) else []
+    owner_key = owner.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    every = sorted(revoked_names(records, owner_key, run_id) | set(names))
+    record = RevocationRecord(**sign_revocation(owner, run_id, every))
+    stored = dht.store(
+        revoked_key(run_id),
+        subkey=public_key,
+        value=record.dict(),
+        expiration_time=get_dht_time() + 30 * 86400,
+        return_future=True,
+    ).result(timeout)
+    if not stored:
+        raise InviteError(f"no peer of run {run_id!r} took the revocation; check --initial-peers")
+    return every

@@ -208,7 +208,9 @@ def load_invite(path: str | os.PathLike, run_id: str | None = None) -> Invite:
     """Read an invite file and check it (signature, the invite key, expiry and, if given, the run id)."""
     path = Path(path)
     if not path.is_file():
-        raise InviteError(f"invite file {path} does not exist; ask the run's owner for one (swarm-peer invite)")
+        raise InviteError(
+            f"invite file {path} does not exist; ask the run's owner for one (swarm-peer invite)"
+        )
     try:
         body = json.loads(path.read_text())
         if body.get("format") != FORMAT:
@@ -217,14 +219,43 @@ def load_invite(path: str | os.PathLike, run_id: str | None = None) -> Invite:
         key = Ed25519PrivateKey.from_private_bytes(_unb64(body["invite_private_key"]))
     except Exception:
         raise InviteError(
-            f"{path} is not a swarm-trainer invite (damaged or another file); ask the run's owner for a new one"
+            f"{path} is not a swarm-trainer invite (damaged or another file); ask the run's owner for a "
+            "new one"
         ) from None
     if _raw_public(key.public_key()) != cert.invite_key:
         raise InviteError(f"invite {path} is damaged: its key does not match its certificate")
     problem = cert.problem(cert.owner_key, run_id or cert.run_id)
     if problem is not None:
-        raise InviteError(f"invite {path} cannot be used: {problem.removeprefix('its ')}; ask the owner for a new one")
+        raise InviteError(
+            f"invite {path} cannot be used: {problem.removeprefix('its ')}; ask the owner for a new one"
+        )
     return Invite(cert, key)
+
+
+def revocation_bytes(run_id: str, names: list[str], issued: float) -> bytes:
+    return json.dumps(dict(run_id=run_id, names=sorted(names), issued=issued), sort_keys=True).encode()
+
+
+def sign_revocation(owner: Ed25519PrivateKey, run_id: str, names: list[str]) -> dict:
+    """A revocation record (swarm.metrics.RevocationRecord's fields): ``names`` may no longer take part."""
+    issued = round(time.time(), 3)
+    signature = owner.sign(revocation_bytes(run_id, names, issued))
+    return dict(names=sorted(names), issued=issued, signature=_b64(signature))
+
+
+def revoked_names(records: list[dict], owner_key: bytes, run_id: str) -> set[str]:
+    """The invite names revoked by those of ``records`` that the owner of ``owner_key`` signed."""
+    owner = Ed25519PublicKey.from_public_bytes(owner_key)
+    names: set[str] = set()
+    for record in records:
+        try:
+            owner.verify(
+                _unb64(record["signature"]), revocation_bytes(run_id, list(record["names"]), record["issued"])
+            )
+        except Exception:  # forged, altered or malformed: revokes nothing
+            continue
+        names.update(record["names"])
+    return names
 
 
 def invite_run_id(path: str | os.PathLike) -> str | None:
@@ -243,4 +274,6 @@ def describe(invite: Invite) -> str:
     """One line for logs: which run, which name, until when, whose key."""
     owner = base64.b32encode(invite.owner_key).decode()[:10].lower()
     cert = invite.certificate
-    return f"invite {cert.name!r} to run {cert.run_id!r}, owner key {owner}, valid until {_when(cert.expires)}"
+    return (
+        f"invite {cert.name!r} to run {cert.run_id!r}, owner key {owner}, valid until {_when(cert.expires)}"
+    )

@@ -89,15 +89,30 @@ class MemberRecord(BaseModel):
     signature: constr(max_length=200, strict=True)
 
 
+def revoked_key(run_id: str) -> str:
+    """The DHT key under which the owner of an invite-only ``run_id`` publishes the invites it revoked."""
+    return f"{run_id}_revoked"
+
+
+class RevocationRecord(BaseModel):
+    """Names of invites the run's owner revoked, when, and the owner's signature (swarm/invite.py)."""
+
+    names: list[constr(max_length=64, strict=True)]
+    issued: StrictFloat
+    signature: constr(max_length=200, strict=True)
+
+
 def _schema():
     from hivemind.dht.schema import BytesWithPublicKey
 
     class MetricSchema(BaseModel):
-        """DHT schema: the metrics, config and members keys map public keys (subkeys) to their records."""
+        """DHT schema: the metrics, config, members and revoked keys map public keys (subkeys) to
+        their records."""
 
         metrics: dict[BytesWithPublicKey, LocalMetrics]
         config: dict[BytesWithPublicKey, ConfigRecord]
         members: dict[BytesWithPublicKey, MemberRecord]
+        revoked: dict[BytesWithPublicKey, RevocationRecord]
 
     return MetricSchema
 

@@ -18,13 +18,19 @@ import pytest
 import torch
 from click.testing import CliRunner
 from hivemind.averaging import DecentralizedAverager
-from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm import fence, metrics
 from swarm.config import SwarmConfig
 from swarm.dht import SwarmConnectionError, start_dht
-from swarm.invite import InviteError, load_invite, load_or_create_owner_key, make_invite
+from swarm.invite import (
+    InviteError,
+    load_invite,
+    load_or_create_owner_key,
+    make_invite,
+    revoked_names,
+    sign_revocation,
+)
 from swarm.procs import remove_stale_sockets
 from swarm.waiting import wait_until
 
@@ -62,10 +68,12 @@ async def first_reply(call):
 async def calls():
     p2p = await dht.replicate_p2p()
     stub = DecentralizedAverager.get_stub(p2p, PeerID.from_base58(peer_id), namespace=prefix)
-    request = averaging_pb2.JoinRequest(schema_hash=b"x", expiration=get_dht_time() + 5, group_key=prefix + ".0b")
+    request = averaging_pb2.JoinRequest(schema_hash=b"x", expiration=get_dht_time() + 5,
+                                        group_key=prefix + ".0b")
     return {
         "join_group": await first_reply(stub.rpc_join_group(request)),
-        "aggregate_part": await first_reply(stub.rpc_aggregate_part(as_aiter(averaging_pb2.AveragingData(group_id=b"x")))),
+        "aggregate_part": await first_reply(
+            stub.rpc_aggregate_part(as_aiter(averaging_pb2.AveragingData(group_id=b"x")))),
         "download_state": await first_reply(stub.rpc_download_state(averaging_pb2.DownloadRequest())),
     }
 
@@ -100,8 +108,13 @@ def cleanup():
 def _peer(invite: str | None, initial: list[str], cleanup: list) -> hivemind.DHT:
     """A DHT of this project (started as every role starts it), its member record published; the key its
     records are signed with is ``dht.record_key``."""
-    cfg = SwarmConfig(run_id=RUN, host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=tuple(initial),
-                      invite=invite, bootstrap_timeout=5.0)
+    cfg = SwarmConfig(
+        run_id=RUN,
+        host_maddrs=("/ip4/127.0.0.1/tcp/0",),
+        initial_peers=tuple(initial),
+        invite=invite,
+        bootstrap_timeout=5.0,
+    )
     validators, public_key = metrics.make_validators(RUN, RSAPrivateKey())
     dht = start_dht(cfg, validators)
     cleanup.append(dht)
@@ -114,8 +127,14 @@ def _peer(invite: str | None, initial: list[str], cleanup: list) -> hivemind.DHT
 
 def _averager(dht: hivemind.DHT, value: float, cleanup: list) -> DecentralizedAverager:
     averager = DecentralizedAverager(
-        [torch.full((1000,), value)], dht=dht, prefix=PREFIX, target_group_size=2, min_group_size=2,
-        min_matchmaking_time=2.0, request_timeout=1.0, start=True,
+        [torch.full((1000,), value)],
+        dht=dht,
+        prefix=PREFIX,
+        target_group_size=2,
+        min_group_size=2,
+        min_matchmaking_time=2.0,
+        request_timeout=1.0,
+        start=True,
     )
     cleanup.append(averager)
     return averager
@@ -126,7 +145,10 @@ def _plain_client(dht: hivemind.DHT) -> dict:
     address = str(dht.get_visible_maddrs()[0])
     proc = subprocess.run(
         [sys.executable, "-c", PLAIN_CLIENT, address, str(dht.peer_id), PREFIX, RUN],
-        capture_output=True, text=True, timeout=120, start_new_session=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -148,6 +170,13 @@ def test_an_invite_file_is_checked_before_use(tmp_path, invites):
     (tmp_path / "junk.tok").write_text("not json")
     with pytest.raises(InviteError, match="not a swarm-trainer invite"):
         load_invite(tmp_path / "junk.tok")
+    owner_key = load_invite(invites["alice"]).owner_key
+    stranger, _ = load_or_create_owner_key(tmp_path / "stranger.pem")
+    signed = sign_revocation(invites["owner"], RUN, ["bob"])
+    assert revoked_names([signed], owner_key, RUN) == {"bob"}
+    assert revoked_names([sign_revocation(stranger, RUN, ["alice"])], owner_key, RUN) == set()
+    assert revoked_names([{**signed, "names": ["alice", "bob"]}], owner_key, RUN) == set()  # altered
+    assert revoked_names([signed], owner_key, "other-run") == set()
     make_invite(invites["owner"], RUN, "late", 0.01).save(tmp_path / "late.tok")
     time.sleep(0.05)
     with pytest.raises(InviteError, match="expired at"):
@@ -172,8 +201,8 @@ def test_invite_command_creates_the_key_once_and_join_refuses_a_bad_invite(tmp_p
     joined = runner.invoke(main, ["join", "--config", "demo", "--invite", str(tmp_path / "junk.tok")])
     assert joined.exit_code == 1
     assert joined.output.strip().splitlines() == [
-        f"Error: {tmp_path / 'junk.tok'} is not a swarm-trainer invite (damaged or another file); ask the run's "
-        "owner for a new one"
+        f"Error: {tmp_path / 'junk.tok'} is not a swarm-trainer invite (damaged or another file); ask the "
+        "run's owner for a new one"
     ]
 
 
@@ -229,13 +258,61 @@ def test_invites_of_another_owner_and_expired_ones_are_refused(tmp_path, invites
             return str(exc)
 
     assert check(dave) == "admitted"
-    record = metrics.LocalMetrics(peer_name="dave", global_epoch=1, samples_per_second=1.0, loss=1.0,
-                                  samples_accumulated=0, mini_steps=0, time=time.time())
+    record = metrics.LocalMetrics(
+        peer_name="dave",
+        global_epoch=1,
+        samples_per_second=1.0,
+        loss=1.0,
+        samples_accumulated=0,
+        mini_steps=0,
+        time=time.time(),
+    )
     assert metrics.publish(dave, RUN, dave.record_key, record, 60).result(timeout=10)
     assert wait_until(lambda: len(metrics.fetch(a, RUN)) == 1, timeout=10)
     expires = load_invite(tmp_path / "dave.tok").certificate.expires
     time.sleep(max(0.0, expires - time.time()) + 0.5)
     assert "its invite expired" in check(dave)
-    metrics.publish(dave, RUN, dave.record_key, record.copy(update={"global_epoch": 2}), 60).result(timeout=10)
+    metrics.publish(dave, RUN, dave.record_key, record.copy(update={"global_epoch": 2}), 60).result(
+        timeout=10
+    )
     time.sleep(1.0)
     assert [r.global_epoch for r in metrics.fetch(a, RUN).values()] == [1]  # its new record never reached A
+
+
+def test_a_revoked_invite_stops_working(tmp_path, invites, cleanup, monkeypatch):
+    monkeypatch.setattr(fence.RevocationWatcher, "period", 1.0)
+    a = _peer(invites["alice"], [], cleanup)
+    bob = _peer(invites["bob"], [str(m) for m in a.get_visible_maddrs()], cleanup)
+    gate = fence.Fence(load_invite(invites["alice"]))
+    asyncio.run(gate.check(bob.peer_id, a, "a test"))  # admitted
+    revoked = subprocess.run(
+        [sys.executable, "-m", "peer", "revoke", "--owner-key", str(tmp_path / "owner.pem"), "--run-id", RUN,
+         "--name", "bob", "--initial-peers", str(a.get_visible_maddrs()[0])],
+        capture_output=True, text=True, timeout=120, start_new_session=True,
+    )  # fmt: skip
+    assert revoked.returncode == 0, revoked.stderr[-2000:]
+    assert "Revoked 'bob' in run 'pytest-invite'" in revoked.stdout
+    assert wait_until(lambda: bob.swarm_revocations.self_revoked.is_set(), timeout=15)
+    assert wait_until(lambda: "bob" in a.swarm_revocations.revoked, timeout=15)
+    gate.recheck_period = 0.0
+    with pytest.raises(fence.NotInvited, match="its invite 'bob' was revoked by the owner"):
+        asyncio.run(gate.check(bob.peer_id, a, "a test"))
+    record = metrics.LocalMetrics(
+        peer_name="bob",
+        global_epoch=3,
+        samples_per_second=1.0,
+        loss=1.0,
+        samples_accumulated=0,
+        mini_steps=0,
+        time=time.time(),
+    )
+    metrics.publish(bob, RUN, bob.record_key, record, 60).result(timeout=10)
+    time.sleep(1.0)
+    assert metrics.fetch(a, RUN) == {}  # what bob writes now never reaches a
+
+    forged = subprocess.run(  # a revocation signed with another key revokes nothing
+        [sys.executable, "-m", "peer", "revoke", "--owner-key", str(tmp_path / "stranger.pem"),
+         "--run-id", RUN, "--name", "alice", "--initial-peers", str(a.get_visible_maddrs()[0])],
+        capture_output=True, text=True, timeout=120, start_new_session=True,
+    )  # fmt: skip
+    assert forged.returncode == 1 and "refuses an invite of another run or owner" in forged.stderr

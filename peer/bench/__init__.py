@@ -13,6 +13,7 @@ scenario; :data:`SCENARIOS` is the registry that the CLI's ``--scenario`` choice
   fp32 and int8 gradient averaging and DiLoCo + int8, against one process.
 * ``attack``: a peer sends outsized, uphill gradients into a swarm; the honest peer's val acc with its screen
   off and on (swarm/screen.py).
+* ``fence``: two peers open and invite-only in turn: what the fence costs (swarm/fence.py).
 
 Peers run as subprocesses of this command, in their own process groups, and are stopped when it ends.
 """
@@ -35,6 +36,7 @@ SCENARIOS = (
     "step",
     "wan",
     "attack",
+    "fence",
 )  # each a module of this package: run() and table
 
 

@@ -124,7 +124,7 @@ def swarm(
         return lab.prefix(i), ["--host-maddr", f"/ip4/{lab.address(i)}/tcp/0"]
 
     prefix, listen = place(0)
-    boot = Peer(f"{run}-bootstrap", ["bootstrap", *common, *listen], bench.work, prefix=prefix)
+    boot = Peer(f"{run}-bootstrap", ["bootstrap", *common, *listen], bench.work, env, prefix)
     started = [boot]
     try:
         address = boot.join_address(timeout=120)

@@ -531,14 +531,14 @@ def revoke(
     from swarm.log import setup_logging
 
     setup_logging(verbose)
-    from swarm import fence, metrics
+    from swarm import authorizer, metrics
     from swarm.dht import start_dht, stop_dht
 
     key, _ = load_or_create_owner_key(owner_key)
     validators, public_key = metrics.make_validators(run_id)
     dht = start_dht(cfg.swarm, validators, invite=make_invite(key, run_id, "owner", 600.0))
     try:
-        every = fence.revoke(dht, key, run_id, list(names), public_key)
+        every = authorizer.revoke(dht, key, run_id, list(names), public_key)
     finally:
         stop_dht(dht)
     click.echo(

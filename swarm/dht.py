@@ -14,8 +14,8 @@ from typing import Any
 
 import hivemind
 
+from swarm.authorizer import InviteAuthorizer, RevocationWatcher
 from swarm.config import SwarmConfig
-from swarm.fence import InviteAuthorizer, RevocationWatcher
 from swarm.invite import Invite, load_invite
 from swarm.layout import join_line
 

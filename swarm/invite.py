@@ -266,6 +266,13 @@ def invite_run_id(path: str | os.PathLike) -> str | None:
         return None
 
 
+def refusal(run_id: str, who: str, reason: str) -> str:
+    return (
+        f"run {run_id!r} is invite-only and {who} was refused: {reason}. Ask the run's owner for an invite "
+        "(swarm-peer invite) and pass it with --invite"
+    )
+
+
 def _when(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 

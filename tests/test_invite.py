@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from hivemind.averaging import DecentralizedAverager
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarm import fence, metrics
+from swarm import authorizer, fence, metrics
 from swarm.config import SwarmConfig
 from swarm.dht import SwarmConnectionError, start_dht
 from swarm.invite import (
@@ -280,7 +280,7 @@ def test_invites_of_another_owner_and_expired_ones_are_refused(tmp_path, invites
 
 
 def test_a_revoked_invite_stops_working(tmp_path, invites, cleanup, monkeypatch):
-    monkeypatch.setattr(fence.RevocationWatcher, "period", 1.0)
+    monkeypatch.setattr(authorizer.RevocationWatcher, "period", 1.0)
     a = _peer(invites["alice"], [], cleanup)
     bob = _peer(invites["bob"], [str(m) for m in a.get_visible_maddrs()], cleanup)
     gate = fence.Fence(load_invite(invites["alice"]))
@@ -316,3 +316,23 @@ def test_a_revoked_invite_stops_working(tmp_path, invites, cleanup, monkeypatch)
         capture_output=True, text=True, timeout=120, start_new_session=True,
     )  # fmt: skip
     assert forged.returncode == 1 and "refuses an invite of another run or owner" in forged.stderr
+
+
+def test_an_invited_averager_never_calls_an_uninvited_peer(invites, cleanup, monkeypatch):
+    """The other direction: the stubs through which an averager asks a leader to take it, sends its parts to
+    reducers or downloads a state check the other peer first (in the averager's process; here in this one)."""
+    from hivemind.proto import averaging_pb2
+
+    a = _peer(invites["alice"], [], cleanup)
+    stranger = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    cleanup.append(stranger)
+    monkeypatch.setattr(fence, "_PROCESS", (fence.Fence(load_invite(invites["alice"])), a))
+
+    async def download() -> None:
+        p2p = await a.replicate_p2p()
+        stub = DecentralizedAverager.get_stub(p2p, stranger.peer_id, namespace=PREFIX)
+        await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+
+    refused = f"peer {stranger.peer_id} was refused: it has shown no invite"
+    with pytest.raises(fence.NotInvited, match=refused):
+        asyncio.run(download())

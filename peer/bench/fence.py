@@ -12,7 +12,7 @@ from typing import Any
 from peer.bench.harness import Bench, Options, peer_rate, swarm, table
 
 
-def run(bench: Bench, opts: Options, pairs: int = 2, epochs: int = 60) -> None:
+def run(bench: Bench, opts: Options, pairs: int = 3, epochs: int = 60) -> None:
     from swarm.invite import load_or_create_owner_key, make_invite
 
     stamp = int(time.time())

@@ -236,12 +236,18 @@ class MemberKeeper(threading.Thread):
         self._stop_event.set()
 
 
-def attach(dht: Any, public_key: bytes) -> MemberKeeper | None:
+def attach(dht: Any, public_key: bytes | None = None) -> MemberKeeper | None:
     """Fence the averagers that will be built on ``dht`` (started by swarm.dht.start_dht with an invite) and
-    publish this peer's member record; None for an open swarm. Call before any averager is built."""
+    publish this peer's member record, signed under ``public_key`` (default: the key of hivemind's
+    process-wide RSASignatureValidator, as swarm.metrics.make_validators uses); the thread that renews it,
+    or None for an open swarm or a DHT attached before. Call before any averager is built."""
     invite = getattr(dht, "swarm_invite", None)
-    if invite is None:
+    if invite is None or getattr(dht, "swarm_fence", None) is not None:
         return None
+    if public_key is None:
+        from hivemind.dht.crypto import RSASignatureValidator
+
+        public_key = RSASignatureValidator().local_public_key
     install()
     dht.swarm_fence = Fence(invite)
     if not publish_member(dht, invite, public_key):

@@ -35,7 +35,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from swarm import averagers, traffic
+from swarm import averagers, fence, traffic
 from swarm.compression import parse_compression
 from swarm.config import AVERAGING, SwarmConfig
 from swarm.dht import stop_dht
@@ -258,6 +258,7 @@ class HivemindStrategy(SingleDeviceStrategy):
                 ) from None
         traffic.install()  # before hivemind starts its averager processes
         averagers.install()
+        self._members = fence.attach(self.dht)  # invite-only: fenced averagers (a no-op if the role did it)
         inner = self.optimizers[0]
         self.guard = StateGuard([p for group in inner.param_groups for p in group["params"]], inner)
         if self.faults is not None:
@@ -541,6 +542,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         if self._shut_down:
             return
         self._shut_down = True
+        if getattr(self, "_members", None) is not None:
+            self._members.stop()
         if self.guard is not None:
             self.guard.close()
         if self.clock is not None:

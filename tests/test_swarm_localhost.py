@@ -1,6 +1,7 @@
 """The multi-peer localhost test: a bootstrap and real `swarm-peer join` peers train together on 127.0.0.1.
 
-Small ViT on the embedded digits set, through the real CLI, with real hivemind DHTs and p2p daemons.
+Small ViT on the embedded digits set, through the real CLI, with real hivemind DHTs and p2p daemons. The
+swarm is invite-only, as `make demo` runs it: each process holds its own invite of one owner.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import math
 import socket
 
+from swarm.invite import load_or_create_owner_key, make_invite
 from swarm.procs import group_members
 from swarm.waiting import wait_until
 from tests.helpers import PeerProcess, port_of, read_summary, synced_epochs
@@ -27,6 +29,12 @@ def _port_closed(port: int) -> bool:
 
 
 def test_peers_train_together(peers, tmp_path):
+    owner, _ = load_or_create_owner_key(tmp_path / "owner.pem")
+
+    def invite(name: str) -> list[str]:
+        make_invite(owner, RUN_ID, name, 3600.0).save(tmp_path / f"{name}.tok")
+        return ["--invite", str(tmp_path / f"{name}.tok")]
+
     common = [
         "--config",
         "demo",
@@ -37,7 +45,7 @@ def test_peers_train_together(peers, tmp_path):
         "--host-maddr",
         "/ip4/127.0.0.1/tcp/0",
     ]
-    boot = PeerProcess("bootstrap", ["bootstrap", *common], peers)
+    boot = PeerProcess("bootstrap", ["bootstrap", *common, *invite("bootstrap")], peers)
     address = boot.join_address(timeout=120)
     ports = [port_of(address)]
 
@@ -61,6 +69,7 @@ def test_peers_train_together(peers, tmp_path):
                 "4",
                 "--threads",
                 "1",
+                *invite(f"peer{i}"),
             ],
             peers,
         )
@@ -133,6 +142,10 @@ def test_peers_train_together(peers, tmp_path):
     assert inits and not any(_close(s4["start_checksum"], c, near) for c in inits), (
         "the late peer kept its init"
     )
+
+    # every process held an invite of the owner: none was refused anywhere (the fence let the swarm be)
+    refused = [f"{p.name}: {line}" for p in [boot, *trainers, late] for line in p.lines if "Refused" in line]
+    assert not refused, refused
 
     # nothing is left behind once the peers are done
     code = boot.stop(grace=15)

@@ -213,8 +213,13 @@ def test_diloco_peers_end_each_outer_step_equal_and_a_newcomer_loads_inner_and_o
     mine, theirs = recent(a), recent(b)
     assert any(x == pytest.approx(y, rel=1e-6) for x in mine for y in theirs), (mine, theirs)
     assert a["outer_steps"] >= 3 and b["outer_steps"] >= 3, (a["outer_steps"], b["outer_steps"])
-    # and they trained between outer steps: the anchor moved
-    assert mine[-1] != pytest.approx(mine[-2], rel=1e-6)
+    # and they trained between outer steps: the anchor moved at every recorded outer step but at most one
+    # (a peer whose epoch counter catches up after a stalled round records the same anchor twice: seen in a
+    # fresh clone, first's epochs 7 and 8 equal within 6e-8 relative, both equal to second's epoch 8)
+    for s in (a, b):
+        anchors = [s["checksums"][str(h["epoch"])] for h in s["history"] if str(h["epoch"]) in s["checksums"]]
+        repeats = sum(x == pytest.approx(y, rel=1e-6) for x, y in zip(anchors, anchors[1:], strict=False))
+        assert len(anchors) >= 3 and repeats <= 1, anchors
     # the newcomer started from the swarm's anchor with the swarm's outer momentum and inner AdamW moments
     loaded = c["diloco_loaded"]
     assert (

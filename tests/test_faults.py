@@ -124,6 +124,9 @@ def test_faulty_peer_never_shares_nonfinite_numbers_and_a_mismatched_newcomer_is
     )
 
 
+VAL_IMAGES = 359  # the demo's validation split of the digits set
+
+
 def _val_accs(peer: PeerProcess) -> list[tuple[int, float]]:
     """(global epoch, val acc) of each of the peer's validation lines so far."""
     found = (re.search(r"Validation at global epoch (\d+): .* acc ([\d.]+),", line) for line in peer.lines)
@@ -136,7 +139,8 @@ def test_an_attacker_sending_outsized_gradients_cannot_poison_the_swarm(peers, t
     one from val acc 0.66 to 0.11 in 6 global epochs (reject_factor 0; see README). Here the honest peer
     rejects the rounds the attacker takes part in (the averaged gradient, and the averaged state whose AdamW
     statistics blew up) and trains on: its val acc at validations 4 to 6 after the attack began (global
-    epochs +10 to +18) is on average no lower than at the last two before it, nothing wedged, `status` shows
+    epochs +10 to +18) is on average no lower than at the last two before it (within two standard errors of
+    a 359-image accuracy), nothing wedged, `status` shows
     the rejections, and both leave cleanly when told to (SIGTERM). Means, because the val acc of 359 images
     moves by up to 0.07 from one validation to the next, and dips right after the attack while the honest
     peer's steps go from two peers' samples to its own (5 runs: 0.72 -> 0.65 at worst, then back above
@@ -182,7 +186,12 @@ def test_an_attacker_sending_outsized_gradients_cannot_poison_the_swarm(peers, t
         f"{good['rejected_gradient_rounds']} gradient and {good['rejected_state_rounds']} state rounds, "
         f"{good['rejected_downloads']} downloads"
     )
-    assert len(after) == 3 and sum(after) / 3 >= sum(before) / len(before), vals
+    # "no lower" within the sampling error of a 359-image accuracy: at a plateau the means before and after
+    # are equal up to noise (a fresh clone failed with 0.794 after against 0.7995 before, 0.3 standard errors;
+    # a poisoned peer lands at 0.09 to 0.14, 30 standard errors below)
+    mean_before = sum(before) / len(before)
+    noise = 2 * math.sqrt(mean_before * (1 - mean_before) / VAL_IMAGES)
+    assert len(after) == 3 and sum(after) / 3 >= mean_before - noise, (vals, noise)
 
 
 def test_a_peer_with_no_good_state_left_stops_with_one_line(peers, tmp_path):

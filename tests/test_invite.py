@@ -140,6 +140,11 @@ def _averager(dht: hivemind.DHT, value: float, cleanup: list) -> DecentralizedAv
     return averager
 
 
+def _record(peer_name: str, epoch: int) -> metrics.LocalMetrics:
+    return metrics.LocalMetrics(peer_name=peer_name, global_epoch=epoch, samples_per_second=1.0, loss=1.0,
+                                samples_accumulated=0, mini_steps=0, time=time.time())  # fmt: skip
+
+
 def _plain_client(dht: hivemind.DHT) -> dict:
     """Run PLAIN_CLIENT against ``dht``'s peer; what it saw at each entry point."""
     address = str(dht.get_visible_maddrs()[0])
@@ -258,15 +263,7 @@ def test_invites_of_another_owner_and_expired_ones_are_refused(tmp_path, invites
             return str(exc)
 
     assert check(dave) == "admitted"
-    record = metrics.LocalMetrics(
-        peer_name="dave",
-        global_epoch=1,
-        samples_per_second=1.0,
-        loss=1.0,
-        samples_accumulated=0,
-        mini_steps=0,
-        time=time.time(),
-    )
+    record = _record("dave", 1)
     assert metrics.publish(dave, RUN, dave.record_key, record, 60).result(timeout=10)
     assert wait_until(lambda: len(metrics.fetch(a, RUN)) == 1, timeout=10)
     expires = load_invite(tmp_path / "dave.tok").certificate.expires
@@ -297,15 +294,7 @@ def test_a_revoked_invite_stops_working(tmp_path, invites, cleanup, monkeypatch)
     gate.recheck_period = 0.0
     with pytest.raises(fence.NotInvited, match="its invite 'bob' was revoked by the owner"):
         asyncio.run(gate.check(bob.peer_id, a, "a test"))
-    record = metrics.LocalMetrics(
-        peer_name="bob",
-        global_epoch=3,
-        samples_per_second=1.0,
-        loss=1.0,
-        samples_accumulated=0,
-        mini_steps=0,
-        time=time.time(),
-    )
+    record = _record("bob", 3)
     metrics.publish(bob, RUN, bob.record_key, record, 60).result(timeout=10)
     time.sleep(1.0)
     assert metrics.fetch(a, RUN) == {}  # what bob writes now never reaches a

@@ -87,7 +87,9 @@ def _leave(peer: PeerProcess) -> None:
 def test_faulty_peer_never_shares_nonfinite_numbers_and_a_mismatched_newcomer_is_refused(peers, tmp_path):
     run = "pytest-faulty"
     _, address = _bootstrap(peers, run, tmp_path)
-    common = ("--max-epochs", "16", "--initial-peers", address)
+    # no fixed last epoch: the healthy peer trains alone at about 4 global epochs a second until the faulty
+    # one is up, which took until epoch 11 in a fresh clone, and a fault at +6 then fell after --max-epochs 16
+    common = ("--max-epochs", "100000", "--initial-peers", address)
     healthy = _join(peers, "healthy", run, tmp_path, *common, seed=1)
     faulty = _join(
         peers, "faulty", run, tmp_path, *common, "--inject-fault", "nan_grad@+3x3,nan_params@+6", seed=2
@@ -105,8 +107,17 @@ def test_faulty_peer_never_shares_nonfinite_numbers_and_a_mismatched_newcomer_is
     assert "--run-id" in out and "Traceback" not in out
     assert "Loaded the swarm's state" not in out and "To join this swarm" not in out
 
+    # both train on until the faulty peer has rolled back its NaN parameters and 4 more global epochs passed
+    rolled_back = faulty.wait_for(r"The parameters are non-finite after global epoch (\d+)", timeout=240)
+    rolled = int(rolled_back.group(1))
+    assert wait_until(lambda: min(healthy.epoch(), faulty.epoch()) >= rolled + 4, timeout=180), (
+        faulty.output()[-3000:]
+    )
+    signalled_at = time.time()
     for p in (healthy, faulty):
-        assert p.wait(timeout=300) == 0, f"{p.name}:\n{p.output()[-4000:]}"
+        os.killpg(p.pgid, signal.SIGTERM)
+    for p in (healthy, faulty):
+        assert p.wait(timeout=120) == 0, f"{p.name}:\n{p.output()[-4000:]}"
     assert not any("| peers 3" in line for line in healthy.lines + faulty.lines), "the refused peer took part"
 
     good, bad = read_summary(tmp_path, run, "healthy"), read_summary(tmp_path, run, "faulty")
@@ -115,13 +126,13 @@ def test_faulty_peer_never_shares_nonfinite_numbers_and_a_mismatched_newcomer_is
     assert bad["nonfinite_rollbacks"] == 1 and bad["resyncs"] >= 2, bad
     assert "Skipping a step with non-finite gradients" in faulty.output()
     assert "The parameters are non-finite after global epoch" in faulty.output()
-    # nothing non-finite ever reached the healthy peer, and both ended with the same parameters
+    # nothing non-finite ever reached the healthy peer, and after the rollback both held the same parameters
+    # (at one of their last two common epochs before the signal: a round in flight at SIGTERM may differ)
     assert good["skipped_nonfinite_steps"] == 0 and good["nonfinite_rollbacks"] == 0
-    assert _finite(good["checksums"]) and good["final_epoch"] == bad["final_epoch"] == 16
-    assert _close(good["checksums"]["16"], bad["checksums"]["16"], 1e-6), (
-        good["checksums"],
-        bad["checksums"],
-    )
+    assert _finite(good["checksums"])
+    common_epochs, equal = synced_epochs(good, bad, rel=1e-6, between=(0.0, signalled_at))
+    after = [e for e in common_epochs if e > rolled]
+    assert len(after) >= 2 and set(after[-2:]) & set(equal), (after, equal, bad["checksums"])
 
 
 VAL_IMAGES = 359  # the demo's validation split of the digits set

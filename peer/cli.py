@@ -519,11 +519,9 @@ def revoke(
 ) -> None:
     """Revoke invites by name: the owner signs the list and stores it in the run's DHT, and every peer then
     refuses their holders (within about 10 s). Needs a running peer of the run."""
-    from pathlib import Path as _Path
-
     from swarm.invite import InviteError, load_or_create_owner_key, make_invite
 
-    if not _Path(owner_key).is_file():
+    if not Path(owner_key).is_file():
         raise InviteError(
             f"owner key {owner_key} does not exist; revoking needs the key that signed the invites"
         )

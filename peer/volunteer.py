@@ -23,7 +23,6 @@ from swarm.config import ExperimentConfig, save_config
 from swarm.data import build_datasets, peer_seed, train_loader, val_loader
 from swarm.dht import check_addresses, join_command, start_dht, stop_dht
 from swarm.fingerprint import ConfigPublisher, check_against_swarm
-from swarm.invite import load_invite
 from swarm.layout import volunteer_dir
 from swarm.log import quiet_libraries
 from swarm.model import SwarmClassifier, autocast_dtype, evaluate, param_checksum, resolve_device
@@ -54,7 +53,7 @@ class SwarmReporter(L.Callback):
         self.start_checksum: list[float] | None = None
         self._warned: set = set()
         self.publisher: ConfigPublisher | None = None
-        invite = load_invite(cfg.swarm.invite, cfg.swarm.run_id) if cfg.swarm.invite else None
+        invite = getattr(strategy.dht, "swarm_invite", None)  # loaded and checked once, by start_dht
         self.invite_expires = invite.certificate.expires if invite is not None else None
         self._reset_window()
 

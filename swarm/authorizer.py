@@ -27,7 +27,7 @@ from hivemind.utils.auth import AuthorizerBase
 from hivemind.utils.timed_storage import TimedStorage, get_dht_time
 
 from swarm.invite import Certificate, Invite, InviteError, refusal, revoked_names
-from swarm.metrics import revoked_key
+from swarm.metrics import revocation_records, revoked_key
 
 log = logging.getLogger(__name__)
 
@@ -182,9 +182,7 @@ class RevocationWatcher(threading.Thread):
                 found = self.dht.get(revoked_key(self.invite.run_id), latest=True, return_future=True).result(
                     10
                 )
-                records = (
-                    [e.value for e in found.value.values()] if found and isinstance(found.value, dict) else []
-                )
+                records = revocation_records(found)
                 new = revoked_names(records, self.invite.owner_key, self.invite.run_id) - self.revoked
                 if new:
                     self.dht.run_coroutine(partial(_revoke_in_dht_process, new))
@@ -213,7 +211,7 @@ def revoke(
     from swarm.metrics import RevocationRecord
 
     found = dht.get(revoked_key(run_id), latest=True, return_future=True).result(timeout)
-    records = [e.value for e in found.value.values()] if found and isinstance(found.value, dict) else []
+    records = revocation_records(found)
     owner_key = owner.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
     every = sorted(revoked_names(records, owner_key, run_id) | set(names))
     record = RevocationRecord(**sign_revocation(owner, run_id, every))

@@ -24,7 +24,7 @@ from typing import Any
 from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
 
 from swarm.invite import Certificate, Invite, InviteError, refusal, revoked_names
-from swarm.metrics import MemberRecord, members_key, revoked_key
+from swarm.metrics import MemberRecord, members_key, revocation_records, revoked_key
 
 log = logging.getLogger(__name__)
 
@@ -85,16 +85,16 @@ class Fence:
                 await asyncio.sleep(wait)
             self._last_refresh = time.monotonic()
             try:
-                result = await dht.get(members_key(self.run_id), latest=True, return_future=True)
-                revoked = await dht.get(revoked_key(self.run_id), latest=True, return_future=True)
+                result, revoked = await asyncio.gather(
+                    dht.get(members_key(self.run_id), latest=True, return_future=True),
+                    dht.get(revoked_key(self.run_id), latest=True, return_future=True),
+                )
             except Exception as exc:
                 log.debug("Could not read the member records: %r", exc)
                 return
             if result is not None and isinstance(result.value, dict):
                 self.learn(result.value)
-            if revoked is not None and isinstance(revoked.value, dict):
-                records = [entry.value for entry in revoked.value.values() if isinstance(entry.value, dict)]
-                self.revoked |= revoked_names(records, self.owner_key, self.run_id)
+            self.revoked |= revoked_names(revocation_records(revoked), self.owner_key, self.run_id)
 
     async def check(self, peer_id: Any, dht: Any, role: str) -> None:
         """Return if ``peer_id`` holds an invite of this run; raise NotInvited otherwise."""

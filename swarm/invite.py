@@ -20,7 +20,7 @@ import json
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
@@ -200,7 +200,7 @@ def make_invite(owner: Ed25519PrivateKey, run_id: str, name: str, lifetime: floa
         invite_key=_raw_public(key.public_key()),
         signature=b"",
     )
-    cert = Certificate(**{**unsigned.__dict__, "signature": owner.sign(unsigned.signed_bytes())})
+    cert = replace(unsigned, signature=owner.sign(unsigned.signed_bytes()))
     return Invite(cert, key)
 
 

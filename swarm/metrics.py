@@ -94,6 +94,14 @@ def revoked_key(run_id: str) -> str:
     return f"{run_id}_revoked"
 
 
+def revocation_records(found) -> list[dict]:
+    """The values stored under :func:`revoked_key`, from a ``dht.get(..., latest=True)`` result (maybe None);
+    their signatures are checked by swarm.invite.revoked_names."""
+    if found is None or not isinstance(found.value, dict):
+        return []
+    return [entry.value for entry in found.value.values() if isinstance(entry.value, dict)]
+
+
 class RevocationRecord(BaseModel):
     """Names of invites the run's owner revoked, when, and the owner's signature (swarm/invite.py)."""
 

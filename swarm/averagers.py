@@ -52,17 +52,29 @@
    round is replaced by this peer's own gradient of the round (as in item 2), a rejected state round or
    download leaves this peer's state as it was.
 
+8. **A groupmate that never joins costs a second, not the whole round.** hivemind's matchmaking can put a
+   peer into a group that the peer itself never learns of: a follower whose process was starved for longer
+   than ``request_timeout`` gives up on its leader, while the leader has already accepted it and begun the
+   all-reduce (matchmaking.py, ``_request_join_group`` and ``rpc_join_group``; a demo showed it about once
+   in 120 rounds on 2 cores). The others then send it their parts, and its ``rpc_aggregate_part`` waits for
+   a group that never registers (averager.py, ``_pending_groups_registered``), until the caller's
+   ``allreduce_timeout`` (15 s in the demo): "received 50.0% of input tensors" on one side, "could not find
+   a group" on the other. :func:`install` makes an averager answer a part of a group it does not know with
+   ``BAD_GROUP_ID`` after ``request_timeout``, and makes the all-reduce drop a groupmate whose reducer failed
+   before it sent anything, so the round ends with those who came.
+
 The subclasses keep hivemind's class names: the p2p handlers' names are built from the class name, and must
 match those of other peers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from functools import cache
-from typing import Any
+from typing import Any, get_type_hints
 
 import torch
 
@@ -78,14 +90,58 @@ async def _set_target_group_size_here(self: Any, size: int | None) -> None:
         matchmaking.target_group_size = size
 
 
+async def _rpc_aggregate_part(self: Any, stream: Any, context: Any) -> Any:
+    """hivemind's ``DecentralizedAverager.rpc_aggregate_part``, with a bounded wait for an unknown group
+    (item 8). Runs in the averager process."""
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils.asyncio import achain, anext, as_aiter
+
+    request = await anext(stream)
+    if request.group_id not in self._running_groups:
+        # hivemind waits here without a limit, for a leader's answer that is still on its way
+        try:
+            await asyncio.wait_for(self._pending_groups_registered.wait(), self._matchmaking.request_timeout)
+        except TimeoutError:
+            pass
+    future = self._running_groups.get(request.group_id)
+    if future is None:
+        yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+        return
+    group = await future
+    async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream), context):
+        yield message
+
+
+async def _communicate_with_peer(self: Any, peer_id: Any) -> None:
+    """hivemind's ``AllReduceRunner._communicate_with_peer``; a groupmate whose reducer failed before it sent
+    a single part is dropped as a sender too (item 8), instead of being awaited for ``sender_timeout``."""
+    try:
+        await _HIVEMIND["communicate_with_peer"](self, peer_id)
+    except Exception:
+        if peer_id in self.sender_peer_ids and peer_id not in self.active_senders:
+            await self._ban_sender(peer_id)
+        raise
+
+
+_HIVEMIND: dict[str, Any] = {}
+
+
 def install() -> None:
-    """Teach hivemind's averager processes to take a new target group size. Idempotent; call before the
-    averagers start (their processes are forked with the class as it is then)."""
+    """Teach hivemind's averager processes to take a new target group size, and not to wait for groupmates
+    that never come (item 8). Idempotent; call before the averagers start (their processes are forked with
+    the class as it is then)."""
+    from hivemind.averaging.allreduce import AllReduceRunner
     from hivemind.averaging.averager import DecentralizedAverager
     from hivemind.optim import optimizer, state_averager
 
     if not hasattr(DecentralizedAverager, "_swarm_set_target_group_size"):
         DecentralizedAverager._swarm_set_target_group_size = _set_target_group_size_here
+    if "communicate_with_peer" not in _HIVEMIND:
+        _HIVEMIND["communicate_with_peer"] = AllReduceRunner._communicate_with_peer
+        AllReduceRunner._communicate_with_peer = _communicate_with_peer
+        # the p2p handler's request type is read from the annotations (hivemind/p2p/servicer.py)
+        _rpc_aggregate_part.__annotations__ = get_type_hints(DecentralizedAverager.rpc_aggregate_part)
+        DecentralizedAverager.rpc_aggregate_part = _rpc_aggregate_part
     # hivemind.Optimizer builds its state averager from this module-level name
     optimizer.TrainingStateAverager = _state_averager_class(state_averager.TrainingStateAverager)
 

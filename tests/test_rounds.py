@@ -111,6 +111,81 @@ def test_group_closes_when_full_and_packed_buffers_average_exactly(dhts):
             averager.shutdown()
 
 
+def _abandoning_join_request(abandoned: list):
+    """Matchmaking._request_join_group of a follower whose process is starved right after it asks a leader to
+    take it: the request reaches the leader, but the follower has given up before the answer (request_timeout)
+    and looks on. Only the first request of each step is abandoned."""
+    from hivemind.averaging.matchmaking import Matchmaking
+    from hivemind.proto import averaging_pb2
+
+    original = Matchmaking._request_join_group
+
+    async def request(self, leader):
+        if id(self.step_control) in abandoned:
+            return await original(self, leader)
+        abandoned.append(id(self.step_control))
+        stub = self._servicer_type.get_stub(self._p2p, leader, namespace=self._prefix)
+        stream = await stub.rpc_join_group(
+            averaging_pb2.JoinRequest(
+                schema_hash=self.schema_hash,
+                expiration=self.get_request_expiration_time(),
+                client_mode=self.client_mode,
+                gather=self.step_control.data_for_gather,
+                group_key=self.group_key_manager.current_key,
+            )
+        )
+        abandoned.append(stream)  # kept open: the answer is never read
+        return None
+
+    return request
+
+
+def test_a_groupmate_that_never_joins_is_dropped_and_the_round_ends(dhts, monkeypatch):
+    """The leader accepts a follower that has already given up on it (item 8 of swarm.averagers): the leader
+    must end its round with what it has instead of failing after allreduce_timeout, and both peers must
+    average together in the next round. With hivemind's own handlers the leader waited for the follower's
+    parts until sender_timeout and for its reduced parts until allreduce_timeout (in the demo's config: the
+    round failed after 15 s, "received 50.0% of input tensors"; the follower: "could not find a group")."""
+    from hivemind.averaging.matchmaking import Matchmaking
+
+    leader_node, follower_node = dhts(2)
+    opts = dict(
+        prefix="pytest-rounds-abandoned",
+        min_matchmaking_time=2.0,
+        request_timeout=1.5,
+        allreduce_timeout=MATCHMAKING,
+        next_chunk_timeout=MATCHMAKING - 10,
+        start=True,
+    )
+    # 300 k numbers: more than one part, so each peer reduces some of them (hivemind/averaging/partition.py)
+    leader = DecentralizedAverager([torch.ones(300_000)], dht=leader_node, **opts)
+    # the follower's averager process is forked with the patched class; this process is restored at once
+    monkeypatch.setattr(Matchmaking, "_request_join_group", _abandoning_join_request([]))
+    follower = DecentralizedAverager([torch.zeros(300_000)], dht=follower_node, **opts)
+    monkeypatch.undo()
+    try:
+        for averager in (leader, follower):
+            averagers.set_target_group_size(averager, 2)
+        first = leader.step(wait=False, timeout=MATCHMAKING + 10)
+        time.sleep(0.3)  # the leader declared first, so the follower asks it
+        lagging = follower.step(wait=False, timeout=MATCHMAKING + 10)
+        began = time.perf_counter()
+        assert first.result(timeout=MATCHMAKING + 15) is not None
+        spent = time.perf_counter() - began
+        assert spent < MATCHMAKING - 10, spent  # before sender_timeout: the follower was dropped, not awaited
+        with leader.get_tensors() as (got,):
+            assert torch.equal(got, torch.ones(300_000))  # nothing averaged in: the follower sent nothing
+        second = leader.step(wait=False, timeout=MATCHMAKING + 10)
+        assert len(second.result(timeout=MATCHMAKING + 15)) == 2
+        assert len(lagging.result(timeout=MATCHMAKING + 15)) == 2
+        for averager in (leader, follower):
+            with averager.get_tensors() as (got,):
+                torch.testing.assert_close(got, torch.full((300_000,), 0.5))
+    finally:
+        for averager in (leader, follower):
+            averager.shutdown()
+
+
 def test_failed_round_steps_on_own_gradient_not_zeros(dhts):
     """Peer A's swarm has a second peer B that reports progress but never averages: A's gradient round fails,
     and hivemind.Optimizer proceeds with local gradients. The SGD step (lr 1, no momentum) must move A's

@@ -41,7 +41,7 @@ class SwarmModel:
         from hivemind.optim.state_averager import TrainingStateAverager
 
         self.cfg = cfg
-        self.module = SwarmClassifier(cfg.model, cfg.train).to(device)
+        self.module = SwarmClassifier(cfg.model, cfg.train, weights=False).to(device)  # the swarm's come next
         self.optimizer = self.module.configure_optimizers()["optimizer"]
         self.adamw = self.optimizer  # what a checkpoint holds (DiLoCo: the inner optimizer)
         swarm = cfg.swarm

@@ -132,6 +132,33 @@ def averaging_options() -> list[Callable]:
     ]
 
 
+def _apply(options: list[Callable]) -> Callable[[Callable], Callable]:
+    """Decorate with several click options, in the order given."""
+
+    def decorate(func: Callable) -> Callable:
+        for option in reversed(options):
+            func = option(func)
+        return func
+
+    return decorate
+
+
+def pretrained_options() -> list[Callable]:
+    return [
+        click.option(
+            "--pretrained/--no-pretrained",
+            default=None,
+            help="Start from timm's pretrained weights (hub or its cache; a new head for the run's classes).",
+        ),
+        click.option(
+            "--pretrained-file",
+            default=None,
+            metavar="PATH",
+            help="Pretrained weights from this file (safetensors or a torch state dict), for offline use.",
+        ),
+    ]
+
+
 def training_options(func: Callable) -> Callable:
     """Options of a training peer."""
     options = [
@@ -141,6 +168,7 @@ def training_options(func: Callable) -> Callable:
         click.option("--data-dir", default=None, help="Folder holding cifar-10-batches-py."),
         click.option("--download/--no-download", default=None, help="Download CIFAR-10 if missing."),
         click.option("--model", "model_name", default=None, help="timm model name [vit_base_patch32_224]."),
+        *pretrained_options(),
         click.option("--batch-size", type=int, default=None, help="Per-step batch size of this peer."),
         click.option(
             "--target-batch-size",
@@ -409,6 +437,7 @@ class BatchSize(click.ParamType):
 @click.option("--data-dir", default=None, help="Folder holding cifar-10-batches-py.")
 @click.option("--download/--no-download", default=None, help="Download CIFAR-10 if missing.")
 @click.option("--model", "model_name", default=None, help="timm model name [vit_base_patch32_224].")
+@_apply(pretrained_options())
 @click.option("--lr", type=float, default=None, help="Peak learning rate.")
 @click.option("--seed", type=int, default=None, help="Sampler seed, the same on every rank [0].")
 @click.option("--threads", type=int, default=None, help="torch threads per process.")

@@ -52,6 +52,12 @@ class ModelConfig:
     """Override the number of attention heads; embed_dim must be divisible by it."""
     init_seed: int = 0
     """Seed of the initial weights. Shared by the swarm, so peers that start together start equal."""
+    pretrained: bool = False
+    """Start from timm's pretrained weights (through the Hugging Face hub and its cache; the classifier head
+    is replaced for num_classes, seeded by init_seed). The flagship configs set it; the demo does not."""
+    pretrained_file: str | None = None
+    """Load the pretrained weights from this local file instead (safetensors or a torch state dict), for
+    machines without internet; implies pretrained."""
 
     def __post_init__(self) -> None:
         _check(bool(self.model_name), "model_name", self.model_name, "a timm model name")

@@ -44,13 +44,20 @@ class ConfigMismatchError(RuntimeError):
     """This peer's settings differ from the swarm's; the message names each difference and the fix."""
 
 
-def shared_settings(cfg: ExperimentConfig) -> dict[str, str]:
-    """``section.field`` -> value (as text) of the settings every peer must share."""
-    return {
+def shared_settings(cfg: ExperimentConfig, weights: bool = True) -> dict[str, str]:
+    """``section.field`` -> value (as text) of the settings every peer must share, and, for a model that
+    starts from pretrained weights, ``model.weights``: their hash (``weights=False`` leaves it out, since
+    it may build the model; random weights leave it out too, as peers before it did)."""
+    from swarm.model import uses_pretrained, weights_id
+
+    fields = {
         f"{section}.{name}": str(getattr(getattr(cfg, section), name))
         for section, names in SHARED_FIELDS.items()
         for name in names
     }
+    if weights and uses_pretrained(cfg.model):
+        fields["model.weights"] = weights_id(cfg.model)
+    return fields
 
 
 def fingerprint(fields: dict[str, str]) -> str:
@@ -96,7 +103,7 @@ def check_against_swarm(
     ``only`` restricts the comparison (the monitor compares the model and data set). Returns how many
     peers' records were compared (0 when this peer is the first).
     """
-    ours = shared_settings(cfg)
+    ours = shared_settings(cfg, weights=only is None or "model.weights" in only)
     try:
         records = fetch_records(dht, cfg.swarm.run_id, timeout)
     except TimeoutError:

@@ -6,7 +6,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import math
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -17,16 +20,20 @@ from torch import nn
 
 from swarm.config import ModelConfig, TrainConfig
 
+log = logging.getLogger(__name__)
+
 
 class ModelError(ValueError):
     """The model cannot be built with these settings; the message says why."""
 
 
-def create_model(cfg: ModelConfig) -> nn.Module:
-    """Build the timm model from ``cfg`` with random weights seeded by ``cfg.init_seed``.
+def create_model(cfg: ModelConfig, weights: bool = True) -> nn.Module:
+    """Build the timm model from ``cfg``: random weights seeded by ``cfg.init_seed``, or, with
+    ``cfg.pretrained`` (or ``cfg.pretrained_file``), timm's pretrained weights with a classifier head for
+    ``cfg.num_classes`` that is seeded by ``init_seed``, so every peer that starts together starts equal.
 
-    Pretrained weights are never downloaded: every peer of a swarm must start from the same
-    initialisation, and ``init_seed`` guarantees that without any network access.
+    ``weights=False`` skips the pretrained weights: for whoever loads a state right after (the monitor,
+    ``swarm-peer evaluate``), which needs the architecture only and may have no internet.
     """
     kwargs: dict[str, Any] = {"num_classes": cfg.num_classes, "img_size": cfg.img_size}
     for name in ("patch_size", "embed_dim", "depth", "num_heads"):
@@ -40,11 +47,118 @@ def create_model(cfg: ModelConfig) -> nn.Module:
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(cfg.init_seed)
+        if weights and uses_pretrained(cfg):
+            return _pretrained(cfg, kwargs)
         return timm.create_model(cfg.model_name, pretrained=False, **kwargs)
     except TypeError as exc:
         raise ModelError(f"{cfg.model_name} does not accept these options ({exc})") from None
     finally:
         torch.random.set_rng_state(state)
+
+
+def uses_pretrained(cfg: ModelConfig) -> bool:
+    return cfg.pretrained or bool(cfg.pretrained_file)
+
+
+_WEIGHTS_IDS: dict[ModelConfig, str] = {}  # the hash of each pretrained model built in this process
+
+
+def _pretrained(cfg: ModelConfig, kwargs: dict[str, Any]) -> nn.Module:
+    """The model with pretrained weights: timm's own (hub and cache), or those of ``cfg.pretrained_file``.
+    A classifier of another class count is left out, so the head keeps its seeded initialisation (timm
+    does the same: timm/models/_builder.py, ``load_pretrained``)."""
+    if cfg.pretrained_file:
+        net = timm.create_model(cfg.model_name, pretrained=False, **kwargs)
+        _load_file(net, cfg)
+        source = cfg.pretrained_file
+    else:
+        source = f"timm's {cfg.model_name} weights"
+        try:
+            net = timm.create_model(cfg.model_name, pretrained=True, **kwargs)
+        except Exception as exc:  # the hub unreachable and nothing in its cache, or a model without weights
+            raise ModelError(
+                f"could not get {source} ({_one_line(exc)}). Connect this machine to the internet "
+                "once (timm keeps them in the Hugging Face cache, ~/.cache/huggingface), or pass "
+                "--pretrained-file PATH with the weights saved on a machine that has them (safetensors or a "
+                "torch state dict), or start from random weights with --no-pretrained"
+            ) from None
+    _WEIGHTS_IDS[cfg] = "pretrained sha256:" + weights_hash(net)
+    log.info("Loaded %s (head for %d classes, init_seed %d)", source, cfg.num_classes, cfg.init_seed)
+    return net
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300] or type(exc).__name__
+
+
+def _load_file(net: nn.Module, cfg: ModelConfig) -> None:
+    """Load ``cfg.pretrained_file`` into ``net``: every tensor of the model but the classifier must be in
+    the file, with its shape (after timm's own adaptation of the model family, such as resampling ViT
+    position embeddings for another image size). timm's loader would accept a file of another model with a
+    warning, and train from random weights."""
+    import sys
+
+    from timm.models import load_state_dict as read_weights
+
+    path = Path(cfg.pretrained_file).expanduser()
+    fix = (
+        "give a weights file of this model (safetensors or a torch state dict with timm's keys), "
+        "or --no-pretrained"
+    )
+    if not path.is_file():
+        raise ModelError(f"pretrained_file {cfg.pretrained_file!r} does not exist; {fix}")
+    try:
+        state = read_weights(str(path))
+        adapt = getattr(sys.modules[type(net).__module__], "checkpoint_filter_fn", None)
+        if adapt is not None:
+            state = adapt(state, net)
+    except Exception as exc:  # damaged, truncated, not a weights file at all
+        raise ModelError(f"could not read {cfg.pretrained_file} ({_one_line(exc)}); {fix}") from None
+    own = net.state_dict()
+    classifier = str(getattr(net, "pretrained_cfg", {}).get("classifier") or "head")
+    head = {k for k in own if k == classifier or k.startswith(classifier + ".")}
+    for key in head & set(state):
+        if state[key].shape != own[key].shape:  # trained for other classes: keep the seeded head
+            del state[key]
+    missing = [k for k in own if k not in state and k not in head]
+    wrong = [k for k in state if k in own and state[k].shape != own[k].shape]
+    unknown = [k for k in state if k not in own]
+    if missing or wrong or unknown:
+        parts = [
+            f"{len(found)} {what} (first: {found[0]})"
+            for found, what in (
+                (missing, "tensors missing"),
+                (wrong, "of other shapes"),
+                (unknown, "unknown"),
+            )
+            if found
+        ]
+        raise ModelError(
+            f"{cfg.pretrained_file} does not hold {cfg.model_name} weights for this config: "
+            + ", ".join(parts)
+            + f"; {fix}"
+        )
+    net.load_state_dict(state, strict=False)
+
+
+def weights_hash(net: nn.Module) -> str:
+    """A short hash of every tensor of ``net``'s state dict (names, shapes and bytes)."""
+    digest = hashlib.sha256()
+    for name, tensor in net.state_dict().items():
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def weights_id(cfg: ModelConfig) -> str:
+    """What the swarm's peers start from, for the config fingerprint: 'random', or the hash of the
+    pretrained model as built, head included (so peers with other starting weights refuse each other,
+    whichever way the weights came: hub or file). Builds the model if this process has not yet."""
+    if not uses_pretrained(cfg):
+        return "random"
+    if cfg not in _WEIGHTS_IDS:
+        create_model(cfg)
+    return _WEIGHTS_IDS[cfg]
 
 
 def lr_lambda(warmup_epochs: int, schedule_epochs: int, floor: float = 0.05):
@@ -86,10 +200,10 @@ class SwarmClassifier(L.LightningModule):
     global epoch of the swarm, so the learning rate follows the swarm's progress, not the local step.
     """
 
-    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, weights: bool = True) -> None:
         super().__init__()
         self.model_cfg, self.train_cfg = model_cfg, train_cfg
-        self.net = create_model(model_cfg)
+        self.net = create_model(model_cfg, weights)
         self.last_loss: float | None = None
         self.last_val: dict[str, float] | None = None  # the latest validation, equal on every rank
         self.sharded = False

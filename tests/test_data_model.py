@@ -171,3 +171,96 @@ def test_a_loader_epoch_can_hold_several_passes_over_a_small_set():
         loader, _ = shard_loaders(train, train, cfg, batch_size=5, rank=rank, world=2, seed=0, passes=3)
         seen += [int(i) for _, labels in loader for i in labels]
     assert len(seen) == 150 and sorted(seen) == sorted(list(range(50)) * 3)  # every item 3 times, no more
+
+
+SMALL = dict(
+    model_name="vit_tiny_patch16_224", img_size=32, patch_size=16, embed_dim=64, depth=1, num_heads=4
+)
+
+
+def _saved_weights(path, seed: int, num_classes: int = 1000):
+    """A small timm ViT with its own random weights, saved as a file; returns its state dict."""
+    import timm
+
+    torch.manual_seed(seed)
+    kwargs = {k: v for k, v in SMALL.items() if k != "model_name"}
+    net = timm.create_model(SMALL["model_name"], num_classes=num_classes, **kwargs)
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file(state, str(path))
+    else:
+        torch.save(state, path)
+    return state
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
+def test_pretrained_file_gives_its_weights_and_a_head_seeded_by_init_seed(tmp_path, suffix):
+    path = tmp_path / f"weights{suffix}"
+    saved = _saved_weights(path, seed=7)
+    cfg = ModelConfig(**SMALL, num_classes=10, pretrained_file=str(path))
+    a, b = create_model(cfg), create_model(cfg)
+    random = create_model(ModelConfig(**SMALL, num_classes=10))
+    for name, tensor in a.state_dict().items():
+        if name.startswith("head."):  # replaced for 10 classes: the same on every peer, by init_seed
+            assert tensor.shape[0] == 10 and torch.equal(tensor, b.state_dict()[name])
+            assert torch.equal(tensor, random.state_dict()[name])
+        else:
+            assert torch.equal(tensor, saved[name]), name
+    other_seed = create_model(ModelConfig(**SMALL, num_classes=10, pretrained_file=str(path), init_seed=3))
+    assert not torch.equal(other_seed.head.weight, a.head.weight)
+    assert torch.equal(other_seed.blocks[0].attn.qkv.weight, saved["blocks.0.attn.qkv.weight"])
+    # the checkpoint's own classes: its head too
+    full = create_model(ModelConfig(**SMALL, num_classes=1000, pretrained_file=str(path)))
+    assert all(torch.equal(t, saved[n]) for n, t in full.state_dict().items())
+    # the monitor and `evaluate` need the architecture only: no weights loaded
+    assert torch.equal(create_model(cfg, weights=False).pos_embed, random.pos_embed)
+
+
+def test_starting_weights_are_part_of_the_config_fingerprint(tmp_path):
+    from swarm.fingerprint import differences, shared_settings
+
+    first, second = tmp_path / "a.pth", tmp_path / "b.pth"
+    _saved_weights(first, seed=1)
+    _saved_weights(second, seed=2)
+    base = build_config("demo", {**SMALL, "num_classes": 10}, environ={})
+    with_file = [
+        shared_settings(build_config("demo", {**SMALL, "pretrained_file": str(p)}, environ={}))
+        for p in (first, first, second)
+    ]
+    assert with_file[0] == with_file[1] and with_file[0]["model.weights"].startswith("pretrained sha256:")
+    assert differences(with_file[0], with_file[2]) == [
+        f"model.weights: swarm {with_file[2]['model.weights']}, here {with_file[0]['model.weights']}"
+    ]
+    assert "model.weights" not in shared_settings(base)  # random weights: as peers before this field
+    assert "model.weights" in differences(with_file[0], shared_settings(base))[0]
+
+
+@pytest.mark.parametrize(
+    "problem, message",
+    [
+        ("missing", "does not exist"),
+        ("damaged", "could not read"),
+        ("another width", "does not hold"),
+        ("other keys", "does not hold"),
+    ],
+)
+def test_a_bad_pretrained_file_is_one_clear_line(tmp_path, problem, message):
+    """timm's own loader takes a file of another model with a warning (strict=False once the head is left
+    out) and the run would train from random weights: here each is one line, before any training."""
+    path = tmp_path / "weights.safetensors"
+    cfg = ModelConfig(**SMALL, pretrained_file=str(path))
+    if problem == "damaged":
+        _saved_weights(path, seed=0)
+        path.write_bytes(path.read_bytes()[:1000])
+    elif problem == "another width":
+        _saved_weights(path, seed=0)
+        cfg = ModelConfig(**{**SMALL, "embed_dim": 128}, pretrained_file=str(path))
+    elif problem == "other keys":
+        from safetensors.torch import save_file
+
+        save_file({"x": torch.ones(2)}, str(path))
+    with pytest.raises(ModelError, match=message) as err:
+        create_model(cfg)
+    assert "\n" not in str(err.value) and "--no-pretrained" in str(err.value)

@@ -23,7 +23,7 @@ def _flagship_state(model_name: str) -> tuple[Any, Any]:
 
     cfg = build_config("flagship", {"model_name": model_name, "precision": "32-true"}, environ={})
     torch.manual_seed(0)
-    module = SwarmClassifier(cfg.model, cfg.train)
+    module = SwarmClassifier(cfg.model, cfg.train, weights=False)
     optimizer = module.configure_optimizers()["optimizer"]
     images = torch.randn(2, 3, cfg.model.img_size, cfg.model.img_size)
     torch.nn.functional.cross_entropy(module(images), torch.tensor([0, 1])).backward()

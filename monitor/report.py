@@ -26,6 +26,7 @@ COLUMNS = (
     "largest batch found",
     "epochs",
     "best val/acc",
+    "test acc",
     "training time (s)",
     "samples/s",
     "peak mem/device (GB)",
@@ -44,6 +45,7 @@ class RunRow:
     batch_found: int | None = None
     epochs: int | None = None
     best_acc: float | None = None
+    test_acc: float | None = None  # `swarm-peer evaluate` of one of its checkpoints, if one was run
     train_seconds: float | None = None
     samples_per_second: float | None = None
     peak_mem_gb: float | None = None
@@ -62,6 +64,7 @@ class RunRow:
             fmt(self.batch_found, "d"),
             fmt(self.epochs, "d"),
             fmt(self.best_acc, ".4f"),
+            fmt(self.test_acc, ".4f"),
             fmt(self.train_seconds, ".1f"),
             fmt(self.samples_per_second, ".1f"),
             fmt(self.peak_mem_gb, ".2f"),
@@ -167,8 +170,17 @@ def collect(log_dir: Path) -> list[RunRow]:
         elif folder.name == "volunteer" and not (folder.parent / "monitor").is_dir():
             row = volunteer_row(folder, log_dir)
         if row is not None:
+            row.test_acc = test_accuracy(folder)
             rows.append(row)
     return rows
+
+
+def test_accuracy(folder: Path) -> float | None:
+    """The test accuracy that `swarm-peer evaluate` wrote for this run (``<run>/test/evaluation.json``)."""
+    try:
+        return float(json.loads((folder / "test" / "evaluation.json").read_text())["acc"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def markdown(rows: list[RunRow]) -> str:

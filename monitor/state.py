@@ -111,7 +111,8 @@ class CheckpointKeeper:
         metrics = {
             f"val/{k}": float(v) for k, v in result.items() if k in ("acc", "acc_top5", "loss", "samples")
         }
-        payload = make_checkpoint(net, self.cfg, epoch, metrics, optimizer)
+        run = f"{self.cfg.swarm.run_id}/monitor"  # the monitor's TensorBoard run
+        payload = make_checkpoint(net, self.cfg, epoch, metrics, optimizer, run=run)
         started = time.perf_counter()
         save_checkpoint(self.url(LAST), payload, self.endpoint)
         improved = self.best_acc is None or result["acc"] > self.best_acc

@@ -405,6 +405,47 @@ class BatchSize(click.ParamType):
 
 
 @main.command()
+@click.argument("checkpoint")
+@click.option("--config", default=None, help="Experiment of the checkpoint [the config saved in it].")
+@click.option(
+    "--split",
+    type=click.Choice(["test", "train"]),
+    default="test",
+    help="test: the held-out images (CIFAR-10's test batch; the digits' held-out fifth).",
+)
+@click.option("--data-dir", default=None, help="Folder holding cifar-10-batches-py.")
+@click.option("--download/--no-download", default=None, help="Download CIFAR-10 if missing.")
+@click.option("--batch-size", type=click.IntRange(1), default=None, help="Images per forward pass.")
+@click.option("--device", type=click.Choice(DEVICES), default=None, help="auto, cpu or cuda.")
+@click.option("--threads", type=int, default=None, help="torch threads.")
+@click.option("--log-dir", default=None, help="Root of runs/ [the checkpoint's].")
+@click.option(
+    "--out", default=None, help="Folder for the results [<log-dir>/<the checkpoint's run>/<split>]."
+)
+@click.option("--s3-endpoint-url", default=None, help="S3-compatible endpoint for an s3:// checkpoint.")
+@click.option("--verbose", is_flag=True, help="Show library messages.")
+@_fail_cleanly
+def evaluate(checkpoint: str, split: str, out: str | None, verbose: bool, **params: Any) -> None:
+    """Final metrics of a checkpoint: accuracy, loss, per-class accuracy and the confusion matrix.
+
+    \b
+    swarm-peer evaluate runs/vit-b32-cifar10/checkpoints/best.ckpt      (the monitor's best)
+    swarm-peer evaluate runs/demo/ddp/checkpoints/best.ckpt --split test
+    swarm-peer evaluate s3://bucket/prefix/best.ckpt --s3-endpoint-url http://127.0.0.1:9000
+    """
+    from swarm.log import setup_logging
+
+    setup_logging(verbose)
+    from peer.evaluate import describe, run_evaluate
+
+    endpoint = params.pop("s3_endpoint_url")
+    config = params.pop("config")
+    result = run_evaluate(checkpoint, config, params, split=split, out=out, endpoint_url=endpoint)
+    for line in describe(result):
+        click.echo(line)
+
+
+@main.command()
 @click.option(
     "--config", "config", default=None, help="YAML experiment: a path, or demo, flagship, ddp, fsdp, ..."
 )

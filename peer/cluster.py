@@ -382,7 +382,8 @@ class LocalReporter(L.Callback):
         weights = {k[len("net.") :]: v for k, v in state.items() if k.startswith("net.")}
         optimizer = trainer.optimizers[0] if self.plan.strategy != "fsdp" else None  # FSDP's is sharded
         metrics = {VAL_ACC: val["acc"], VAL_ACC_TOP5: val["acc_top5"], VAL_LOSS: val["loss"]}
-        payload = make_checkpoint(None, self.cfg, epoch, metrics, optimizer, state_dict=weights)
+        run = f"{self.cfg.swarm.run_id}/{self.run_dir.name}"
+        payload = make_checkpoint(None, self.cfg, epoch, metrics, optimizer, state_dict=weights, run=run)
         save_checkpoint(join_url(self.ckpt_dir, "last.ckpt"), payload, self.cfg.checkpoint.s3_endpoint_url)
         if better:
             url = join_url(self.ckpt_dir, "best.ckpt")

@@ -4,7 +4,8 @@ A checkpoint is a plain dict that ``torch.load(path)`` reads with its default ``
 
     {"format": "swarm-trainer/1", "model_name": "vit_base_patch32_224", "global_epoch": 40,
      "state_dict": {...timm keys...}, "optimizer": {...AdamW state_dict...} or None,
-     "metrics": {"val/acc": 0.61, ...}, "config": {...resolved ExperimentConfig...}, "saved_at": 1.7e9}
+     "metrics": {"val/acc": 0.61, ...}, "config": {...resolved ExperimentConfig...},
+     "run": "vit-b32-cifar10/monitor", "saved_at": 1.7e9}
 
 ``state_dict`` uses timm's own keys, so ``timm.create_model(name, num_classes=...).load_state_dict(
 ckpt["state_dict"])`` works without this package. Writes never leave a truncated file behind: a local
@@ -192,9 +193,12 @@ def make_checkpoint(
     metrics: dict[str, float],
     optimizer: torch.optim.Optimizer | None = None,
     state_dict: dict[str, torch.Tensor] | None = None,
+    run: str | None = None,
 ) -> dict[str, Any]:
     """The checkpoint dict for the timm model ``net`` (weights copied to the CPU). ``state_dict`` replaces
-    ``net.state_dict()`` when the weights were gathered elsewhere (a sharded FSDP model; net=None then)."""
+    ``net.state_dict()`` when the weights were gathered elsewhere (a sharded FSDP model; net=None then).
+    ``run`` is the run's folder under the log directory (``<run_id>/monitor``, ``<run_id>/ddp``), where
+    ``swarm-peer evaluate`` files its results."""
     weights = state_dict if state_dict is not None else net.state_dict()
     return {
         "format": FORMAT,
@@ -204,6 +208,7 @@ def make_checkpoint(
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "metrics": {k: float(v) for k, v in metrics.items()},
         "config": cfg.to_dict(),
+        "run": run,
         "saved_at": time.time(),
     }
 

@@ -508,9 +508,15 @@ def build_config(
     config: str | None = None,
     overrides: dict[str, Any] | None = None,
     environ: typing.Mapping[str, str] | None = None,
+    base: dict[str, dict[str, Any]] | None = None,
 ) -> ExperimentConfig:
-    """Resolve defaults < YAML < environment < flat overrides (flags) into a validated ExperimentConfig."""
+    """Resolve defaults < YAML < environment < flat overrides (flags) into a validated ExperimentConfig.
+    ``base`` (a config as ``to_dict`` wrote it, e.g. a checkpoint's) takes the YAML file's place; fields
+    this version does not know are left out."""
     layered: dict[str, dict[str, Any]] = {name: {} for name in _SECTION_TYPES}
+    for section, values in (base or {}).items():
+        if section in layered and isinstance(values, dict):
+            layered[section].update({k: v for k, v in values.items() if FIELD_SECTION.get(k) == section})
     if config is not None:
         for section, values in read_yaml(resolve_config_path(config)).items():
             layered[section].update(values)

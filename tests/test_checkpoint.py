@@ -195,3 +195,95 @@ def test_a_corrupt_resume_checkpoint_stops_join_in_one_line_and_stays_as_it_was(
     assert "corrupt or truncated" in result.output and "Traceback" not in result.output
     assert len([line for line in result.output.splitlines() if line.startswith("Error")]) == 1
     assert path.read_bytes() == data
+
+
+def _briefly_trained(cfg, steps: int = 40):
+    """The demo's model after a few AdamW steps on the digits: its predictions spread over the classes."""
+    from swarm.data import build_datasets, train_loader
+
+    torch.manual_seed(0)
+    net = create_model(cfg.model)
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
+    train, _ = build_datasets(cfg.data, cfg.model.img_size)
+    for _, (images, target) in zip(range(steps), train_loader(train, cfg.data, seed=0), strict=False):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(images), target).backward()
+        opt.step()
+    return net, opt
+
+
+def test_evaluate_reports_a_checkpoints_test_metrics_from_s3(tmp_path, cfg, s3_server):
+    """`swarm-peer evaluate s3://...`: its accuracy, per-class accuracy and confusion matrix equal those of
+    timm's own model with the checkpoint's weights on the held-out images; the results land as JSON, PNG and
+    TensorBoard scalars (read back with TensorBoard's reader) in the run that saved the checkpoint."""
+    import json
+
+    import boto3
+    from click.testing import CliRunner
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from monitor.report import test_accuracy
+    from peer.cli import main
+    from swarm.data import build_datasets
+    from swarm.logbook import read_run
+
+    net, opt = _briefly_trained(cfg)
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket="swarm-ckpts")
+    url = "s3://swarm-ckpts/runs/pytest-ckpt/best.ckpt"
+    payload = make_checkpoint(net, cfg, 12, {"val/acc": 0.5}, opt, run="pytest-ckpt/monitor")
+    save_checkpoint(url, payload, s3_server)
+
+    args = ["evaluate", url, "--s3-endpoint-url", s3_server, "--log-dir", str(tmp_path), "--threads", "1"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    folder = tmp_path / "pytest-ckpt" / "monitor" / "test"
+    got = json.loads((folder / "evaluation.json").read_text())
+
+    reference = _timm_model(cfg)
+    reference.load_state_dict(payload["state_dict"])
+    reference.eval()
+    _, held_out = build_datasets(replace(cfg, augment=False).data, cfg.model.img_size)
+    expected = [[0] * 10 for _ in range(10)]
+    with torch.no_grad():
+        for i in range(len(held_out)):
+            image, label = held_out[i]
+            expected[label][int(reference(image.unsqueeze(0)).argmax())] += 1
+    assert got["confusion"] == expected
+    assert got["samples"] == len(held_out) == 359 and got["global_epoch"] == 12
+    correct = sum(expected[c][c] for c in range(10))
+    assert got["acc"] == pytest.approx(correct / 359)
+    for c in range(10):
+        assert got["per_class_acc"][c] == pytest.approx(expected[c][c] / sum(expected[c]))
+    assert got["acc"] > 0.3 and sum(any(row[c] for row in expected) for c in range(10)) > 3  # not one class
+    assert f"acc {got['acc']:.4f}" in result.output and "per class: 0 " in result.output
+
+    scalars, _ = read_run(folder)
+    assert scalars["test/acc"] == [(12, pytest.approx(got["acc"]))]
+    assert scalars["test/class_acc/3"] == [(12, pytest.approx(got["per_class_acc"][3]))]
+    images = EventAccumulator(str(folder), size_guidance={"images": 0})
+    images.Reload()
+    assert images.Tags()["images"] == ["test/confusion"]
+    assert (folder / "confusion.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert test_accuracy(folder.parent) == pytest.approx(got["acc"])  # the logbook's `test acc` column
+
+
+def test_evaluate_refuses_another_model_and_a_damaged_checkpoint_in_one_line(tmp_path, cfg):
+    from click.testing import CliRunner
+
+    from peer.cli import main
+
+    five = replace(cfg, num_classes=5)
+    url = str(tmp_path / "five.ckpt")
+    save_checkpoint(url, make_checkpoint(create_model(five.model), five, 3, {}))
+    damaged = tmp_path / "damaged.ckpt"
+    damaged.write_bytes(b"not a checkpoint at all")
+    for args, message in [
+        ([url, "--config", "demo"], "holds another model than this run (num_classes 5 != 10)"),
+        ([url], "classifies 5 classes, but digits has 10"),
+        ([str(damaged)], "is corrupt or truncated"),
+        ([str(tmp_path / "missing.ckpt")], "does not exist"),
+    ]:
+        result = CliRunner().invoke(main, ["evaluate", *args, "--log-dir", str(tmp_path)])
+        assert result.exit_code == 1, result.output
+        assert message in result.output and "Traceback" not in result.output, result.output
+        assert len(result.output.strip().splitlines()) == 1, result.output

@@ -205,6 +205,10 @@ def test_report_on_a_swarm_run_and_a_ddp_run(peers, loopback, tmp_path):
         peers,
     )
     assert ddp.wait(timeout=300) == 0, ddp.output()[-5000:]
+    checkpoint = log_dir / "demo" / "ddp" / "checkpoints" / "best.ckpt"
+    tested = CliRunner().invoke(main, ["evaluate", str(checkpoint), "--threads", "1"])
+    assert tested.exit_code == 0, tested.output
+    test_acc = json.loads((log_dir / "demo" / "ddp" / "test" / "evaluation.json").read_text())["acc"]
     out = CliRunner().invoke(main, ["report", str(log_dir)])
     assert out.exit_code == 0, out.output
     table = (log_dir / "report.md").read_text()
@@ -215,11 +219,12 @@ def test_report_on_a_swarm_run_and_a_ddp_run(peers, loopback, tmp_path):
     # the demo's target batch (configs/demo.yaml)
     assert swarm[1] == "swarm (hivemind)" and swarm[2] == "2" and swarm[3] == "256", swarm
     assert swarm[5] == "30", swarm
-    assert swarm[4] == "n/a" and swarm[9] == "n/a" and swarm[10] == "n/a", "missing figures must read n/a"
-    assert 0 <= float(swarm[6]) <= 1 and float(swarm[7]) > 0 and float(swarm[8]) > 0, swarm
+    assert swarm[4] == swarm[7] == swarm[10] == swarm[11] == "n/a", "missing figures must read n/a"
+    assert 0 <= float(swarm[6]) <= 1 and float(swarm[8]) > 0 and float(swarm[9]) > 0, swarm
     summary = json.loads((log_dir / "demo" / "ddp" / "summary.json").read_text())
     assert ddp_row[1].startswith("ddp") and ddp_row[2] == "2" and ddp_row[5] == "6", ddp_row
-    assert ddp_row[6] == f"{summary['best_val_acc']:.4f}" and ddp_row[9] == "n/a", ddp_row
+    assert ddp_row[6] == f"{summary['best_val_acc']:.4f}" and ddp_row[10] == "n/a", ddp_row
+    assert ddp_row[7] == f"{test_acc:.4f}", ddp_row  # `swarm-peer evaluate` of its best.ckpt
     with Image.open(log_dir / "report.png") as image:
         assert image.format == "PNG" and image.size[0] > 300
 

@@ -31,6 +31,7 @@ class EpochPoint:
     rounds: dict[str, float] = field(default_factory=dict)  # part -> median seconds over reporting peers
     local_steps: int = 0  # peers whose gradient round failed (they stepped on their own gradient)
     rejected: int = 0  # peers whose screen refused this epoch's averaged result (swarm/screen.py)
+    data_epoch: float | None = None  # passes over the training set (the peers' own count; the largest)
 
 
 def aggregate(
@@ -62,8 +63,20 @@ def aggregate(
             rounds[part] = statistics.median(values)
     local = sum(bool(r.round_local) for r in records)
     rejected = sum(bool(r.round_rejected) for r in records)
+    data_epochs = [r.data_epoch for r in records if r.data_epoch is not None]
     return EpochPoint(
-        epoch, peers, sps, loss, val_loss, val_acc, n_val, len(records), rounds, local, rejected
+        epoch,
+        peers,
+        sps,
+        loss,
+        val_loss,
+        val_acc,
+        n_val,
+        len(records),
+        rounds,
+        local,
+        rejected,
+        max(data_epochs) if data_epochs else None,
     )
 
 

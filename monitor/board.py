@@ -19,6 +19,7 @@ from swarm.metrics import (
     SWARM_EPOCH,
     SWARM_PEERS,
     SWARM_SPS,
+    TRAIN_DATA_EPOCH,
     TRAIN_LOSS,
     VAL_ACC,
     VAL_ACC_TOP5,
@@ -70,6 +71,8 @@ class Board:
         add(SWARM_EPOCH, point.epoch, step)
         if point.loss is not None:
             add(TRAIN_LOSS, point.loss, step)
+        if point.data_epoch is not None:
+            add(TRAIN_DATA_EPOCH, point.data_epoch, step)
         if point.val_acc is not None:
             add(VAL_ACC, point.val_acc, step)
         if point.val_loss is not None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from monitor.board import EVAL_ACC
 from swarm.logbook import read_scalars
-from swarm.metrics import SWARM_EPOCH, SWARM_PEERS, VAL_ACC
+from swarm.metrics import SWARM_EPOCH, SWARM_PEERS, TRAIN_DATA_EPOCH, VAL_ACC
 
 COLUMNS = (
     "run",
@@ -25,6 +25,7 @@ COLUMNS = (
     "global batch",
     "largest batch found",
     "epochs",
+    "data epochs",
     "best val/acc",
     "test acc",
     "training time (s)",
@@ -44,6 +45,7 @@ class RunRow:
     global_batch: int | None = None
     batch_found: int | None = None
     epochs: int | None = None
+    data_epochs: float | None = None  # passes over the training set
     best_acc: float | None = None
     test_acc: float | None = None  # `swarm-peer evaluate` of one of its checkpoints, if one was run
     train_seconds: float | None = None
@@ -63,6 +65,7 @@ class RunRow:
             fmt(self.global_batch, "d"),
             fmt(self.batch_found, "d"),
             fmt(self.epochs, "d"),
+            fmt(self.data_epochs, ".2f"),
             fmt(self.best_acc, ".4f"),
             fmt(self.test_acc, ".4f"),
             fmt(self.train_seconds, ".1f"),
@@ -83,6 +86,7 @@ def local_row(s: dict[str, Any], folder: Path, root: Path) -> RunRow:
         global_batch=s.get("global_batch"),
         batch_found=s.get("batch_size_found"),
         epochs=s.get("global_epochs"),
+        data_epochs=s.get("data_epochs"),
         best_acc=s.get("best_val_acc"),
         train_seconds=s.get("train_seconds"),
         samples_per_second=s.get("samples_per_second"),
@@ -118,6 +122,7 @@ def monitor_row(folder: Path, root: Path) -> RunRow | None:
         world_size=int(max(v for _, _, v in scalars[SWARM_PEERS])) if SWARM_PEERS in scalars else None,
         global_batch=target,
         epochs=int(last[2]),
+        data_epochs=scalars[TRAIN_DATA_EPOCH][-1][2] if scalars.get(TRAIN_DATA_EPOCH) else None,
         best_acc=max((v for _, _, v in val), default=None),
         train_seconds=last[0] - start if per_epoch is not None else None,
         # samples that went into optimizer steps per second: one global batch per epoch
@@ -146,6 +151,7 @@ def volunteer_row(folder: Path, root: Path) -> RunRow | None:
         world_size=len(summaries),
         global_batch=_target_batch(next(folder.glob("*"))),
         epochs=max(s.get("final_epoch", 0) for s in summaries),
+        data_epochs=max((s["data_epochs"] for s in summaries if "data_epochs" in s), default=None),
         best_acc=max((v for _, v in vals), default=None),
         train_seconds=max((s.get("seconds") or 0.0 for s in summaries), default=None) or None,
         samples_per_second=sum(rates) if rates else None,

@@ -106,10 +106,12 @@ def _log_point(point: EpochPoint) -> None:
     val = f" | val acc {point.val_acc:.4f} ({point.val_samples} images)" if point.val_acc is not None else ""
     loss = f"{point.loss:.4f}" if point.loss is not None else "n/a"
     rejected = f" | {point.rejected} peers rejected the round" if point.rejected else ""
+    data = f" | data epoch {point.data_epoch:.2f}" if point.data_epoch is not None else ""
     log.info(
-        "global epoch %d | peers %d | %.1f samples/s | loss %s%s%s",
+        "global epoch %d | peers %d%s | %.1f samples/s | loss %s%s%s",
         point.epoch,
         point.peers,
+        data,
         point.samples_per_second,
         loss,
         val,

@@ -132,6 +132,14 @@ def averaging_options() -> list[Callable]:
     ]
 
 
+MAX_DATA_EPOCHS = click.option(
+    "--max-data-epochs",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Stop after this many passes over the training set.",
+)
+
+
 def _apply(options: list[Callable]) -> Callable[[Callable], Callable]:
     """Decorate with several click options, in the order given."""
 
@@ -180,6 +188,7 @@ def training_options(func: Callable) -> Callable:
         click.option("--device", type=click.Choice(DEVICES), default=None, help="auto, cpu or cuda."),
         click.option("--max-epochs", type=int, default=None, help="Stop at this global epoch."),
         click.option("--max-time", type=float, default=None, help="Stop after this many seconds."),
+        MAX_DATA_EPOCHS,
         click.option("--lr", type=float, default=None, help="Peak learning rate."),
         click.option("--seed", type=int, default=None, help="This peer's shuffling seed [random]."),
         click.option("--peer-name", default=None, help="Name in logs and file names [host-pid]."),
@@ -474,6 +483,7 @@ def evaluate(checkpoint: str, split: str, out: str | None, verbose: bool, **para
 @click.option("--device", type=click.Choice(DEVICES), default=None, help="auto, cpu (gloo) or cuda (NCCL).")
 @click.option("--max-epochs", type=int, default=None, help="Stop at this global epoch (optimizer step).")
 @click.option("--max-time", type=float, default=None, help="Stop after this many seconds.")
+@MAX_DATA_EPOCHS
 @click.option("--dataset", type=click.Choice(DATASETS), default=None, help="cifar10 or digits (offline).")
 @click.option("--data-dir", default=None, help="Folder holding cifar-10-batches-py.")
 @click.option("--download/--no-download", default=None, help="Download CIFAR-10 if missing.")

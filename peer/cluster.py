@@ -26,7 +26,16 @@ from swarm.config import ConfigError, ExperimentConfig, save_config
 from swarm.data import build_datasets, shard_loaders
 from swarm.log import quiet_libraries
 from swarm.logbook import write_hparams
-from swarm.metrics import SYS_GPU_MEM, SYS_GPU_UTIL, TRAIN_LOSS, TRAIN_SPS, VAL_ACC, VAL_ACC_TOP5, VAL_LOSS
+from swarm.metrics import (
+    SYS_GPU_MEM,
+    SYS_GPU_UTIL,
+    TRAIN_DATA_EPOCH,
+    TRAIN_LOSS,
+    TRAIN_SPS,
+    VAL_ACC,
+    VAL_ACC_TOP5,
+    VAL_LOSS,
+)
 from swarm.model import SwarmClassifier, autocast_dtype, local_tensor, param_checksum, resolve_device
 from swarm.procs import DistEnv, dist_env
 from swarm.sysmetrics import GpuSampler
@@ -71,9 +80,10 @@ def make_plan(cfg: ExperimentConfig, env: DistEnv) -> Plan:
         accelerator = resolve_device(cfg.train.device)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if cfg.train.max_epochs is None and cfg.train.max_time is None:
+    if cfg.train.max_epochs is None and cfg.train.max_time is None and cfg.train.max_data_epochs is None:
         raise ConfigError(
-            "local training needs a stop: pass --max-epochs N (global epochs) or --max-time SECONDS"
+            "local training needs a stop: pass --max-epochs N (global epochs), --max-data-epochs N (passes "
+            "over the training set) or --max-time SECONDS"
         )
     if cfg.train.precision == "16-mixed" and accelerator == "cpu":
         raise ConfigError("precision='16-mixed' needs a CUDA GPU; use 'bf16-mixed' or '32-true' on the CPU")
@@ -299,6 +309,13 @@ class LocalReporter(L.Callback):
         self._end_global_epoch(trainer, module)
         if self.cfg.train.max_epochs is not None and self.step >= self.cfg.train.max_epochs:
             trainer.should_stop = True  # Lightning then validates this last step before it stops
+        limit = self.cfg.train.max_data_epochs
+        if limit is not None and self.data_epoch() >= limit:
+            trainer.should_stop = True  # every rank: self.samples is the all-gathered count
+
+    def data_epoch(self) -> float:
+        """Passes over the training set: samples that went into optimizer steps / training images."""
+        return self.samples / max(len(self.data.train_set), 1)
 
     def _end_global_epoch(self, trainer: L.Trainer, module: Any) -> None:
         mem, util = self.gpu.latest()
@@ -316,6 +333,7 @@ class LocalReporter(L.Callback):
         add = self.writer.add_scalar
         add(TRAIN_LOSS, loss, self.step)
         add(TRAIN_SPS, sps, self.step)
+        add(TRAIN_DATA_EPOCH, self.data_epoch(), self.step)
         gpu = ""
         sampled = rows[rows[:, 4] >= 0]  # ranks with an NVML sample so far
         if len(sampled):
@@ -327,9 +345,9 @@ class LocalReporter(L.Callback):
             self.next_log = time.time() + self.cfg.train.log_every
             lr = trainer.optimizers[0].param_groups[0]["lr"]
             log.info(
-                "global epoch %d | data epoch %d | loss %.4f | %.1f samples/s | lr %.2e%s",
+                "global epoch %d | data epoch %.2f | loss %.4f | %.1f samples/s | lr %.2e%s",
                 self.step,
-                trainer.current_epoch,
+                self.data_epoch(),
                 loss,
                 sps,
                 lr,

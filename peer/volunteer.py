@@ -43,9 +43,10 @@ class SwarmReporter(L.Callback):
         peer_name: str,
         val_data: torch.utils.data.DataLoader,
         stop: GracefulStop,
+        train_images: int = 0,
     ) -> None:
         self.cfg, self.strategy, self.public_key, self.peer_name = cfg, strategy, public_key, peer_name
-        self.val_data, self.stop = val_data, stop
+        self.val_data, self.stop, self.train_images = val_data, stop, train_images
         self.history: list[dict[str, Any]] = []
         self.checksums: dict[int, list[float]] = {}
         self.swarm_sps: float | None = None
@@ -114,6 +115,8 @@ class SwarmReporter(L.Callback):
             return f"Received {self.stop.signal_name}"
         if train.max_epochs is not None and self.strategy.local_epoch >= train.max_epochs:
             return f"Reached global epoch {self.strategy.local_epoch} (max_epochs)"
+        if train.max_data_epochs is not None and self.data_epoch() >= train.max_data_epochs:
+            return f"Reached data epoch {self.data_epoch():.2f} (max_data_epochs)"
         if train.max_time is not None and time.time() - self.started >= train.max_time:
             return f"Trained for {time.time() - self.started:.0f} s (max_time)"
         watcher = getattr(self.strategy.dht, "swarm_revocations", None)
@@ -127,6 +130,12 @@ class SwarmReporter(L.Callback):
             )
         return None
 
+    def data_epoch(self, epoch: int | None = None) -> float:
+        """Passes over the training set so far: the swarm's optimizer steps took ``target_batch_size``
+        samples each (at least: the step that reaches the target may overshoot it a little)."""
+        epoch = self.strategy.local_epoch if epoch is None else epoch
+        return epoch * self.cfg.swarm.target_batch_size / max(self.train_images, 1)
+
     def _on_new_epoch(self, module: L.LightningModule) -> None:
         epoch, self.epoch = self.strategy.local_epoch, self.strategy.local_epoch
         self.checksums[epoch] = param_checksum(module)
@@ -137,6 +146,7 @@ class SwarmReporter(L.Callback):
             "loss": loss,
             "samples_per_second": sps,
             "samples": self.window_samples,
+            "data_epoch": round(self.data_epoch(epoch), 4),
             "mini_steps": len(self.losses),
             "time": time.time(),
             "bytes_sent": self.strategy.bytes_sent,  # cumulative, in averaging rounds
@@ -192,6 +202,7 @@ class SwarmReporter(L.Callback):
             val_samples=int(val.get("samples", 0)),
             target_batch_size=self.cfg.swarm.target_batch_size,
             rejected_rounds=self.strategy.screen.rejected,
+            data_epoch=float(entry["data_epoch"]) if self.train_images else None,
             **_round_fields(entry.get("round")),
         )
         try:
@@ -225,9 +236,11 @@ class SwarmReporter(L.Callback):
         loss = f"{sum(recent) / len(recent):.4f}" if recent else "n/a"
         val = f" | val acc {self.last_val['acc']:.3f}@{self.last_val['epoch']}" if self.last_val else ""
         log.info(
-            "epoch %d | peers %d | %.1f samples/s%s | round %d/%d samples, next in %s | loss %s | lr %.2e%s",
+            "epoch %d | peers %d | data epoch %.2f | %.1f samples/s%s | round %d/%d samples, next in %s"
+            " | loss %s | lr %.2e%s",
             self.strategy.local_epoch,
             max(1, progress.num_peers),
+            self.data_epoch(),
             sps,
             swarm,
             progress.samples_accumulated,
@@ -256,6 +269,7 @@ class SwarmReporter(L.Callback):
             "loaded_epoch": self.strategy.loaded_epoch,
             "start_checksum": self.start_checksum,
             "final_epoch": self.strategy.local_epoch,
+            "data_epochs": round(self.data_epoch(), 4),
             "checksums": {str(k): v for k, v in self.checksums.items()},
             "history": self.history,
             "first_loss": done[0]["loss"] if done else None,
@@ -412,7 +426,9 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
             resume_optimizer_state=resume.get("optimizer"),
             faults=_fault_injector(cfg),
         )
-        reporter = SwarmReporter(cfg, strategy, public_key, peer_name, val_loader(val_set, cfg.data), stop)
+        reporter = SwarmReporter(
+            cfg, strategy, public_key, peer_name, val_loader(val_set, cfg.data), stop, len(train_set)
+        )
         reporter.publisher = publisher
         print(f"To join this swarm, run:\n  {join_command(dht, cfg.swarm.run_id, config_name)}", flush=True)
         _fit(cfg, strategy, reporter, module, train_loader(train_set, cfg.data, seed))

@@ -243,6 +243,9 @@ class TrainConfig:
     """Stop once the swarm reaches this global epoch."""
     max_time: float | None = None
     """Stop after this many seconds of training."""
+    max_data_epochs: float | None = None
+    """Stop after this many passes over the training set: samples that went into the swarm's (or the
+    cluster's) optimizer steps, divided by the number of training images."""
     precision: str = "32-true"
     """'32-true', 'bf16-mixed', or '16-mixed' (CUDA only, with a gradient scaler)."""
     device: str = "auto"
@@ -280,6 +283,12 @@ class TrainConfig:
             "an integer >= 1 or null",
         )
         _check(self.max_time is None or self.max_time > 0, "max_time", self.max_time, "seconds > 0 or null")
+        _check(
+            self.max_data_epochs is None or self.max_data_epochs > 0,
+            "max_data_epochs",
+            self.max_data_epochs,
+            "a number > 0 or null",
+        )
         _check(self.precision in PRECISIONS, "precision", self.precision, f"one of {', '.join(PRECISIONS)}")
         _check(self.device in DEVICES, "device", self.device, f"one of {', '.join(DEVICES)}")
         _check(self.eval_every >= 1, "eval_every", self.eval_every, "an integer >= 1")

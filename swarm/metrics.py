@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 
 # metric tags shared by every role and TensorBoard writer
 TRAIN_LOSS, TRAIN_SPS = "train/loss", "train/samples_per_second"
+TRAIN_DATA_EPOCH = "train/data_epoch"  # passes over the training set: samples in optimizer steps / images
 VAL_LOSS, VAL_ACC, VAL_ACC_TOP5 = "val/loss", "val/acc", "val/acc_top5"
 SWARM_PEERS, SWARM_EPOCH, SWARM_SPS = "swarm/peers", "swarm/global_epoch", "swarm/samples_per_second"
 SYS_GPU_MEM, SYS_GPU_UTIL = "sys/gpu_mem_gb", "sys/gpu_util"
@@ -59,6 +60,8 @@ class LocalMetrics(BaseModel):
     # this peer's screen (swarm/screen.py) refused this epoch's averaged gradient or state; rounds so far
     round_rejected: StrictBool | None = None
     rejected_rounds: conint(ge=0, strict=True) | None = None
+    # passes over the training set: global epochs x target batch / this peer's training images
+    data_epoch: confloat(ge=0.0, strict=True) | None = None
 
 
 def config_key(run_id: str) -> str:

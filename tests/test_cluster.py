@@ -161,9 +161,10 @@ def test_fsdp_on_cpu_shards_and_saves_a_plain_checkpoint(peers, loopback, tmp_pa
 
 
 def test_multinode_form_two_torchrun_agents(peers, loopback, tmp_path):
-    """The multi-node command: two torchrun agents (two 'nodes' on 127.0.0.1), one process each."""
+    """The multi-node command: two torchrun agents (two 'nodes' on 127.0.0.1), one process each. The run stops
+    after 0.3 passes over the 1438 training images: 431 samples, so at the 4th global epoch of 128 (512)."""
     log_dir, port = tmp_path / "runs", free_port()
-    args = ["local", *COMMON, "--strategy", "ddp", "--max-epochs", "4", "--eval-every", "2"]
+    args = ["local", *COMMON, "--strategy", "ddp", "--max-data-epochs", "0.3", "--eval-every", "2"]
     args += ["--log-dir", str(log_dir), "--num-nodes", "2"]
     agents = [
         PeerProcess(
@@ -182,6 +183,10 @@ def test_multinode_form_two_torchrun_agents(peers, loopback, tmp_path):
     )
     summary = json.loads((run_dir(log_dir, "ddp") / "summary.json").read_text())
     assert (summary["num_nodes"], summary["devices"], summary["world_size"]) == (2, 1, 2), summary
+    assert summary["global_epochs"] == 4 and summary["data_epochs"] == round(512 / 1438, 2), summary
+    board, _ = read_run(run_dir(log_dir, "ddp"))
+    assert [s for s, _ in board["train/data_epoch"]] == [1, 2, 3, 4], board["train/data_epoch"]
+    assert board["train/data_epoch"][-1][1] == pytest.approx(512 / 1438)
     sums = [r["param_checksum"] for r in summary["ranks"]]
     assert sums[0] == sums[1], sums
     assert "Validation at" not in agents[1].output(), "node 1 must not log"
@@ -219,12 +224,15 @@ def test_report_on_a_swarm_run_and_a_ddp_run(peers, loopback, tmp_path):
     # the demo's target batch (configs/demo.yaml)
     assert swarm[1] == "swarm (hivemind)" and swarm[2] == "2" and swarm[3] == "256", swarm
     assert swarm[5] == "30", swarm
-    assert swarm[4] == swarm[7] == swarm[10] == swarm[11] == "n/a", "missing figures must read n/a"
-    assert 0 <= float(swarm[6]) <= 1 and float(swarm[8]) > 0 and float(swarm[9]) > 0, swarm
+    assert swarm[4] == swarm[8] == swarm[11] == swarm[12] == "n/a", "missing figures must read n/a"
+    assert 0 <= float(swarm[7]) <= 1 and float(swarm[9]) > 0 and float(swarm[10]) > 0, swarm
+    # data epochs: the monitor writes the peers' count at each global epoch, 256 samples per epoch / 1438
+    assert float(swarm[6]) == pytest.approx(int(swarm[5]) * 256 / 1438, abs=0.01), swarm
     summary = json.loads((log_dir / "demo" / "ddp" / "summary.json").read_text())
     assert ddp_row[1].startswith("ddp") and ddp_row[2] == "2" and ddp_row[5] == "6", ddp_row
-    assert ddp_row[6] == f"{summary['best_val_acc']:.4f}" and ddp_row[10] == "n/a", ddp_row
-    assert ddp_row[7] == f"{test_acc:.4f}", ddp_row  # `swarm-peer evaluate` of its best.ckpt
+    assert ddp_row[7] == f"{summary['best_val_acc']:.4f}" and ddp_row[11] == "n/a", ddp_row
+    assert ddp_row[6] == f"{summary['data_epochs']:.2f}", ddp_row
+    assert ddp_row[8] == f"{test_acc:.4f}", ddp_row  # `swarm-peer evaluate` of its best.ckpt
     with Image.open(log_dir / "report.png") as image:
         assert image.format == "PNG" and image.size[0] > 300
 

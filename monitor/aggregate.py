@@ -32,6 +32,7 @@ class EpochPoint:
     local_steps: int = 0  # peers whose gradient round failed (they stepped on their own gradient)
     rejected: int = 0  # peers whose screen refused this epoch's averaged result (swarm/screen.py)
     data_epoch: float | None = None  # passes over the training set (the peers' own count; the largest)
+    gpus: dict[str, tuple[float, float]] = field(default_factory=dict)  # peer -> (GPU memory GB, util %)
 
 
 def aggregate(
@@ -77,6 +78,7 @@ def aggregate(
         local,
         rejected,
         max(data_epochs) if data_epochs else None,
+        {r.peer_name: (r.gpu_mem_gb, r.gpu_util or 0.0) for r in records if r.gpu_mem_gb is not None},
     )
 
 

@@ -19,6 +19,8 @@ from swarm.metrics import (
     SWARM_EPOCH,
     SWARM_PEERS,
     SWARM_SPS,
+    SYS_GPU_MEM,
+    SYS_GPU_UTIL,
     TRAIN_DATA_EPOCH,
     TRAIN_LOSS,
     VAL_ACC,
@@ -73,6 +75,9 @@ class Board:
             add(TRAIN_LOSS, point.loss, step)
         if point.data_epoch is not None:
             add(TRAIN_DATA_EPOCH, point.data_epoch, step)
+        for peer, (mem_gb, util) in sorted(point.gpus.items()):  # GPU peers only; nothing from CPU peers
+            add(f"{SYS_GPU_MEM}/{peer}", mem_gb, step)
+            add(f"{SYS_GPU_UTIL}/{peer}", util, step)
         if point.val_acc is not None:
             add(VAL_ACC, point.val_acc, step)
         if point.val_loss is not None:

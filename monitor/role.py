@@ -107,6 +107,8 @@ def _log_point(point: EpochPoint) -> None:
     loss = f"{point.loss:.4f}" if point.loss is not None else "n/a"
     rejected = f" | {point.rejected} peers rejected the round" if point.rejected else ""
     data = f" | data epoch {point.data_epoch:.2f}" if point.data_epoch is not None else ""
+    gpus = ", ".join(f"{peer} {mem:.1f} GB {util:.0f}%" for peer, (mem, util) in sorted(point.gpus.items()))
+    rejected += f" | GPUs: {gpus}" if gpus else ""
     log.info(
         "global epoch %d | peers %d%s | %.1f samples/s | loss %s%s%s",
         point.epoch,

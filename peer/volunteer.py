@@ -28,6 +28,7 @@ from swarm.log import quiet_libraries
 from swarm.model import SwarmClassifier, autocast_dtype, evaluate, param_checksum, resolve_device
 from swarm.procs import GracefulStop, remove_stale_sockets
 from swarm.strategy import HivemindStrategy, lr_of
+from swarm.sysmetrics import GpuSampler
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class SwarmReporter(L.Callback):
     ) -> None:
         self.cfg, self.strategy, self.public_key, self.peer_name = cfg, strategy, public_key, peer_name
         self.val_data, self.stop, self.train_images = val_data, stop, train_images
+        self.gpu: GpuSampler | None = None
         self.history: list[dict[str, Any]] = []
         self.checksums: dict[int, list[float]] = {}
         self.swarm_sps: float | None = None
@@ -66,6 +68,7 @@ class SwarmReporter(L.Callback):
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.stop.install()  # Lightning wraps SIGTERM for its own use; this role decides how to stop
         self.started = time.time()
+        self.gpu = GpuSampler(next(module.parameters()).device).start()  # NVML; nothing on a CPU
         self.epoch = self.strategy.local_epoch
         self.start_checksum = param_checksum(module)
         self.checksums[self.epoch] = self.start_checksum
@@ -80,6 +83,8 @@ class SwarmReporter(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.stop.disarm()  # teardown follows: an interrupt must not cut it short
+        if self.gpu is not None:
+            self.gpu.stop()
         self.strategy.leaving = self.stop.event.is_set()
         linger = self.cfg.swarm.linger
         if linger > 0 and not self.stop.event.is_set():  # the averagers still serve our state until teardown
@@ -151,6 +156,9 @@ class SwarmReporter(L.Callback):
             "time": time.time(),
             "bytes_sent": self.strategy.bytes_sent,  # cumulative, in averaging rounds
         }
+        mem, util = self.gpu.latest() if self.gpu is not None else (None, None)
+        if mem is not None:
+            entry.update(gpu_mem_gb=round(mem, 3), gpu_util=util)
         clock = self.strategy.clock
         if clock is not None and clock.rounds and clock.rounds[-1]["epoch"] == epoch:
             entry["round"] = clock.rounds[-1]
@@ -203,6 +211,8 @@ class SwarmReporter(L.Callback):
             target_batch_size=self.cfg.swarm.target_batch_size,
             rejected_rounds=self.strategy.screen.rejected,
             data_epoch=float(entry["data_epoch"]) if self.train_images else None,
+            gpu_mem_gb=entry.get("gpu_mem_gb"),
+            gpu_util=entry.get("gpu_util"),
             **_round_fields(entry.get("round")),
         )
         try:
@@ -235,6 +245,9 @@ class SwarmReporter(L.Callback):
         recent = self.losses or [h["loss"] for h in self.history[-1:] if h["mini_steps"]]
         loss = f"{sum(recent) / len(recent):.4f}" if recent else "n/a"
         val = f" | val acc {self.last_val['acc']:.3f}@{self.last_val['epoch']}" if self.last_val else ""
+        mem, util = self.gpu.latest() if self.gpu is not None else (None, None)
+        if mem is not None:
+            val += f" | gpu {mem:.1f} GB, {util:.0f}% busy"
         log.info(
             "epoch %d | peers %d | data epoch %.2f | %.1f samples/s%s | round %d/%d samples, next in %s"
             " | loss %s | lr %.2e%s",
@@ -280,6 +293,9 @@ class SwarmReporter(L.Callback):
             if done
             else None,
             "swarm_samples_per_second": self.swarm_sps,
+            # NVML (swarm/sysmetrics.py); None on a CPU, never 0
+            "peak_allocated_gb": self.gpu.peak_allocated_gb() if self.gpu is not None else None,
+            "mean_gpu_util": self.gpu.mean_util() if self.gpu is not None else None,
             "skipped_nonfinite_steps": self.strategy.skipped_nonfinite_steps,
             "nonfinite_rollbacks": self.strategy.nonfinite_rollbacks,
             "resyncs": self.strategy.resyncs,

@@ -23,7 +23,7 @@ TRAIN_LOSS, TRAIN_SPS = "train/loss", "train/samples_per_second"
 TRAIN_DATA_EPOCH = "train/data_epoch"  # passes over the training set: samples in optimizer steps / images
 VAL_LOSS, VAL_ACC, VAL_ACC_TOP5 = "val/loss", "val/acc", "val/acc_top5"
 SWARM_PEERS, SWARM_EPOCH, SWARM_SPS = "swarm/peers", "swarm/global_epoch", "swarm/samples_per_second"
-SYS_GPU_MEM, SYS_GPU_UTIL = "sys/gpu_mem_gb", "sys/gpu_util"
+SYS_GPU_MEM, SYS_GPU_UTIL = "sys/gpu_mem_gb", "sys/gpu_util"  # per peer in the monitor: sys/gpu_util/<peer>
 # the end of a round, split (swarm/rounds.py): median over the peers that reported the epoch, in seconds
 ROUND_PARTS = ("end", "matchmaking", "allreduce", "state", "update")
 ROUND_TAGS = {part: f"round/{part}_seconds" for part in ROUND_PARTS}
@@ -62,6 +62,9 @@ class LocalMetrics(BaseModel):
     rejected_rounds: conint(ge=0, strict=True) | None = None
     # passes over the training set: global epochs x target batch / this peer's training images
     data_epoch: confloat(ge=0.0, strict=True) | None = None
+    # this peer's GPU (NVML, swarm/sysmetrics.py): memory in use in GB and percent of time busy; None on a CPU
+    gpu_mem_gb: confloat(ge=0.0, strict=True) | None = None
+    gpu_util: confloat(ge=0.0, le=100.0, strict=True) | None = None
 
 
 def config_key(run_id: str) -> str:

@@ -126,3 +126,30 @@ def test_board_appends_after_a_restart_without_repeating_steps(tmp_path):
     )
     assert list(acc.PluginTagToContent("hparams")), "hyperparameters are logged"
     assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2
+
+
+def test_gpu_figures_and_data_epochs_reach_tensorboard_per_peer(tmp_path):
+    """Peers on a GPU report NVML's memory and utilisation with each epoch; the monitor writes them per peer
+    (sys/gpu_mem_gb/<peer>, sys/gpu_util/<peer>). A CPU peer reports none and gets no tag, never a 0."""
+    records = [
+        rec("gpu-a", 5, gpu_mem_gb=11.5, gpu_util=97.0, data_epoch=0.89),
+        rec("gpu-b", 5, gpu_mem_gb=7.25, gpu_util=64.0, data_epoch=0.89),
+        rec("cpu-c", 5, data_epoch=0.89),
+    ]
+    point = aggregate(5, records, peers=3)
+    assert point.gpus == {"gpu-a": (11.5, 97.0), "gpu-b": (7.25, 64.0)} and point.data_epoch == 0.89
+    board = Board(tmp_path)
+    assert board.write_point(point)
+    board.close()
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0}, purge_orphaned_data=False)
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {t for t in tags if t.startswith("sys/")} == {
+        "sys/gpu_mem_gb/gpu-a",
+        "sys/gpu_util/gpu-a",
+        "sys/gpu_mem_gb/gpu-b",
+        "sys/gpu_util/gpu-b",
+    }
+    assert [(e.step, e.value) for e in acc.Scalars("sys/gpu_mem_gb/gpu-b")] == [(5, 7.25)]
+    assert [(e.step, e.value) for e in acc.Scalars("sys/gpu_util/gpu-a")] == [(5, 97.0)]
+    assert [(e.step, round(e.value, 4)) for e in acc.Scalars("train/data_epoch")] == [(5, 0.89)]

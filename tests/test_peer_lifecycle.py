@@ -7,6 +7,9 @@ import signal
 import socket
 import time
 
+import pytest
+import torch
+
 from swarm.procs import group_members
 from swarm.waiting import wait_until
 from tests.helpers import PeerProcess, read_summary, synced_epochs
@@ -113,3 +116,36 @@ def test_unreachable_initial_peer_is_a_clear_error(peers, tmp_path):
     out = peer.output()
     assert "could not reach the initial peers" in out and "firewall" in out and "--client-mode" in out
     assert "Traceback" not in out
+
+
+def _lone_peer(peers, tmp_path, monkeypatch, name: str, *extra: str) -> tuple[dict, PeerProcess]:
+    """One peer that starts a swarm of its own on the demo and trains until a stop condition."""
+    monkeypatch.setenv("SWARM_LINGER", "0")  # no monitor to hand the final state to
+    args = ["join", "--config", "demo", "--run-id", f"pytest-{name}", "--log-dir", str(tmp_path)]
+    args += ["--host-maddr", "/ip4/127.0.0.1/tcp/0", "--peer-name", name, "--threads", "1", *extra]
+    peer = PeerProcess(name, args, peers)
+    assert peer.wait(timeout=240) == 0, peer.output()[-4000:]
+    return read_summary(tmp_path, f"pytest-{name}", name), peer
+
+
+def test_max_data_epochs_stops_a_peer_after_passes_over_its_data(peers, tmp_path, monkeypatch):
+    """0.5 passes over the 1438 training images is 719 samples: the peer stops at global epoch 3 (768 in
+    optimizer steps of 256). Its progress lines count both; a CPU peer reports no GPU figures."""
+    summary, peer = _lone_peer(
+        peers, tmp_path, monkeypatch, "passes", "--max-data-epochs", "0.5", "--log-every", "0.5"
+    )
+    assert summary["final_epoch"] == 3 and summary["data_epochs"] == round(3 * 256 / 1438, 4), summary
+    assert "Reached data epoch 0.53 (max_data_epochs)" in peer.output()
+    assert peer.wait_for(r"\| epoch \d+ \| peers 1 \| data epoch \d\.\d\d \|", timeout=1)
+    assert summary["mean_gpu_util"] is None and summary["peak_allocated_gb"] is None
+    assert not any("gpu_mem_gb" in h for h in summary["history"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_peer_on_a_gpu_reports_its_memory_and_utilisation(peers, tmp_path, monkeypatch):
+    args = ["--device", "cuda", "--max-epochs", "6", "--log-every", "1"]
+    summary, peer = _lone_peer(peers, tmp_path, monkeypatch, "gpu", *args)
+    assert summary["peak_allocated_gb"] > 0 and summary["mean_gpu_util"] is not None, summary
+    assert any(h.get("gpu_mem_gb", 0) > 0 for h in summary["history"]), summary["history"]
+    assert peer.wait_for(r"\| gpu [\d.]+ GB, \d+% busy", timeout=1)

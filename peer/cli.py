@@ -474,6 +474,16 @@ def evaluate(checkpoint: str, split: str, out: str | None, verbose: bool, **para
 )
 @click.option("--max-batch-size", type=click.IntRange(1), default=None, help="Upper end of the auto search.")
 @click.option(
+    "--snapshot-every",
+    type=click.IntRange(0),
+    default=None,
+    help="Snapshot the training state every N global epochs; torchrun restarts resume from it [0: off].",
+)
+@click.option(
+    "--resume-from", default=None, help="Resume from this snapshot (or a run folder with snapshots/)."
+)
+@click.option("--inject-fault", default=None, hidden=True, help="Tests only; see swarm/faults.py.")
+@click.option(
     "--target-batch-size",
     type=int,
     default=None,

@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import signal
+import sys
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -178,6 +181,38 @@ class ShardedData(L.LightningDataModule):
         return self._loaders()[1]
 
 
+SNAPSHOT = "snapshot.ckpt"
+
+
+def find_snapshot(cfg: ExperimentConfig, plan: Plan) -> tuple[Path | None, Path | None]:
+    """(snapshot to resume from, folder of the run it belongs to); (None, None) for a fresh run.
+
+    ``--resume-from`` names a snapshot or a run folder. Under torchrun, an attempt after a restart
+    (``TORCHELASTIC_RESTART_COUNT`` > 0) goes on in the newest ``<strategy>*`` folder of the run, from its
+    snapshot if it has one. Every rank looks for itself: across machines the log directory must be shared."""
+    if cfg.cluster.resume_from:
+        path = Path(cfg.cluster.resume_from).expanduser()
+        if path.is_dir() and (path / "snapshots" / SNAPSHOT).exists():
+            path = path / "snapshots" / SNAPSHOT
+        if path.name != SNAPSHOT or not path.exists():
+            raise ConfigError(
+                f"resume_from={cfg.cluster.resume_from!r} is no snapshot: give <run>/snapshots/{SNAPSHOT} or "
+                "the run folder that holds it (runs with --snapshot-every N write them)"
+            )
+        return path, path.parent.parent
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
+        return None, None
+    root = Path(cfg.train.log_dir) / cfg.swarm.run_id
+    runs = sorted(
+        (p for p in root.glob(f"{plan.strategy}*") if (p / "config.yaml").is_file()),
+        key=lambda p: (p / "config.yaml").stat().st_mtime,
+    )
+    if not runs:
+        return None, None
+    snapshot = runs[-1] / "snapshots" / SNAPSHOT
+    return (snapshot if snapshot.exists() else None), runs[-1]
+
+
 def _free_run_dir(root: Path, name: str) -> Path:
     """runs/<run_id>/<strategy>, or <strategy>-2, -3, ... when an earlier run is there."""
     candidate, n = root / name, 1
@@ -191,10 +226,13 @@ class LocalReporter(L.Callback):
     """Per global epoch: loss and samples/s summed over ranks, GPU figures, TensorBoard on rank 0, the stop;
     after each validation: val metrics, last.ckpt and best.ckpt. Writes the run's summary.json at the end."""
 
-    def __init__(self, cfg: ExperimentConfig, plan: Plan, data: ShardedData) -> None:
+    def __init__(
+        self, cfg: ExperimentConfig, plan: Plan, data: ShardedData, run_dir: Path | None = None
+    ) -> None:
+        """``run_dir``: the folder of the run this one resumes (a restart); None makes a new one."""
         self.cfg, self.plan, self.data = cfg, plan, data
         self.writer: Any = None
-        self.run_dir: Path | None = None
+        self.run_dir: Path | None = run_dir
         self.best: float | None = None
         self.best_epoch: int | None = None
         self.batch_found: int | None = None
@@ -232,14 +270,13 @@ class LocalReporter(L.Callback):
         trainer.accumulate_grad_batches = accumulate
         trainer.val_check_interval = self.cfg.train.eval_every * accumulate
         self.global_batch = self.data.batch_size * self.plan.devices_total * accumulate
+        if self.run_dir is None:  # every rank needs it for snapshots; rank 0 picks a free name
+            root = Path(self.cfg.train.log_dir) / self.cfg.swarm.run_id
+            chosen = str(_free_run_dir(root, self.plan.strategy)) if self.main else None
+            self.run_dir = Path(trainer.strategy.broadcast(chosen, src=0))
+        self.ckpt_dir = self.cfg.checkpoint.checkpoint_uri or str(self.run_dir / "checkpoints")
         if not self.main:
             return
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.run_dir = _free_run_dir(Path(self.cfg.train.log_dir) / self.cfg.swarm.run_id, self.plan.strategy)
-        self.ckpt_dir = self.cfg.checkpoint.checkpoint_uri or str(self.run_dir / "checkpoints")
-        self.writer = SummaryWriter(log_dir=str(self.run_dir), flush_secs=10)
-        write_hparams(self.writer, self.cfg, [VAL_ACC, TRAIN_LOSS])
         save_config(self.cfg, self.run_dir / "config.yaml")
         log.info(
             "%s on %d %s device(s) x %d node(s), world size %d: %d per device x %d devices x %d accumulated "
@@ -291,6 +328,14 @@ class LocalReporter(L.Callback):
         self.gpu = GpuSampler(trainer.strategy.root_device).start()
         self.started = self.window_start = self.next_log = time.time()
         self.step = trainer.global_step
+        if self.main:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # resumed: TensorBoard drops what the lost attempt wrote after the snapshot (purge_step)
+            purge = self.step + 1 if self.step else None
+            self.writer = SummaryWriter(log_dir=str(self.run_dir), flush_secs=10, purge_step=purge)
+            if not self.step:
+                write_hparams(self.writer, self.cfg, [VAL_ACC, TRAIN_LOSS])
         self.window = torch.zeros(3, dtype=torch.float64)  # loss * n, n, samples
         if self.writer is not None and self.batch_found is not None:
             self.writer.add_text("batch_size_found", str(self.batch_found), 0)
@@ -307,11 +352,68 @@ class LocalReporter(L.Callback):
             return
         self.step = trainer.global_step
         self._end_global_epoch(trainer, module)
+        self._maybe_fail(trainer)
+        if self._snapshot_due() and self.step % self.cfg.train.eval_every:
+            self._snapshot(trainer)  # at a validation step: once it is recorded (on_validation_end)
         if self.cfg.train.max_epochs is not None and self.step >= self.cfg.train.max_epochs:
             trainer.should_stop = True  # Lightning then validates this last step before it stops
         limit = self.cfg.train.max_data_epochs
         if limit is not None and self.data_epoch() >= limit:
             trainer.should_stop = True  # every rank: self.samples is the all-gathered count
+
+    def _snapshot_due(self) -> bool:
+        every = self.cfg.cluster.snapshot_every
+        return bool(every) and self.step % every == 0
+
+    def _snapshot(self, trainer: L.Trainer) -> None:
+        """Every rank: Lightning's whole training state (FSDP: the optimizer's shards too) into
+        <run>/snapshots/snapshot.ckpt, written beside it and renamed over it by rank 0, so a kill while
+        writing leaves the previous snapshot whole."""
+        folder = self.run_dir / "snapshots"
+        if self.main:
+            folder.mkdir(parents=True, exist_ok=True)
+        trainer.strategy.barrier("snapshot")
+        started = time.perf_counter()
+        fresh = folder / f"{SNAPSHOT}.new"
+        trainer.save_checkpoint(fresh)  # a file, or a folder of shards under FSDP
+        if self.main:
+            final, old = folder / SNAPSHOT, folder / f"{SNAPSHOT}.old"
+            if final.is_dir():  # a folder cannot be renamed over another: keep the old one until the swap
+                final.rename(old)
+            os.replace(fresh, final)
+            if old.is_dir():
+                shutil.rmtree(old)
+            log.info(
+                "Snapshot at global epoch %d in %s (%.1f s)", self.step, final, time.perf_counter() - started
+            )
+        trainer.strategy.barrier("snapshot done")
+
+    def _maybe_fail(self, trainer: L.Trainer) -> None:
+        """The test fault ``kill:rank@E`` (swarm/faults.py): the last rank dies at epoch E, first attempt."""
+        from swarm.faults import LOCAL_KILL, parse_faults
+
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
+        for fault in parse_faults(self.cfg.train.inject_fault):
+            last_rank = trainer.global_rank == trainer.world_size - 1
+            if fault.kind == LOCAL_KILL and fault.epoch == self.step and last_rank and first_attempt:
+                print(f"FAULT INJECTED: SIGKILL to rank {trainer.global_rank} at global epoch {self.step}")
+                sys.stdout.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    # Lightning saves and restores a callback's state with the training state (snapshots)
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "best": self.best,
+            "best_epoch": self.best_epoch,
+            "samples": self.samples,
+            "val_seconds": self.val_seconds,
+            "curve": self.curve,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.best_epoch = state.get("best"), state.get("best_epoch")
+        self.samples, self.val_seconds = int(state.get("samples", 0)), float(state.get("val_seconds", 0.0))
+        self.curve = [tuple(point) for point in state.get("curve", [])]
 
     def data_epoch(self) -> float:
         """Passes over the training set: samples that went into optimizer steps / training images."""
@@ -380,6 +482,8 @@ class LocalReporter(L.Callback):
         error = trainer.strategy.broadcast(error, src=0)
         if error:
             raise CheckpointError(f"rank 0 could not record validation at global epoch {epoch}: {error}")
+        if self._snapshot_due() and epoch == self.step:
+            self._snapshot(trainer)
 
     def _record_validation(
         self, trainer: L.Trainer, val: dict, epoch: int, better: bool, state: dict
@@ -490,6 +594,7 @@ def run_local(cfg: ExperimentConfig) -> dict[str, Any]:
     """Train with Lightning's ``cfg.cluster.strategy``; returns the summary on global rank 0, else {}."""
     env = dist_env()
     plan = make_plan(cfg, env)
+    snapshot, run_dir = find_snapshot(cfg, plan)
     if env.rank == 0 and cfg.checkpoint.checkpoint_uri:  # a missing bucket: one line now, not mid-run
         check_location(cfg.checkpoint.checkpoint_uri, cfg.checkpoint.s3_endpoint_url)
     if cfg.train.threads:
@@ -500,7 +605,9 @@ def run_local(cfg: ExperimentConfig) -> dict[str, Any]:
     if plan.strategy == "dp" and plan.accelerator == "cuda":
         module.use_data_parallel(list(range(plan.devices)), autocast_dtype(cfg.train.precision))
     data = ShardedData(train_set, val_set, cfg, plan, seed=cfg.data.seed if cfg.data.seed is not None else 0)
-    reporter = LocalReporter(cfg, plan, data)
+    reporter = LocalReporter(cfg, plan, data, run_dir)
+    if snapshot is not None and env.rank == 0:
+        log.info("Resuming from %s (restart %s)", snapshot, os.environ.get("TORCHELASTIC_RESTART_COUNT", "-"))
     if env.rank == 0:
         log.info(
             "%s (%.2f M parameters), %d training and %d validation images",
@@ -530,7 +637,7 @@ def run_local(cfg: ExperimentConfig) -> dict[str, Any]:
         use_distributed_sampler=False,
         callbacks=[reporter],
     )
-    trainer.fit(module, datamodule=data)
+    trainer.fit(module, datamodule=data, ckpt_path=str(snapshot) if snapshot is not None else None)
     leave_process_group()
     launcher = getattr(trainer.strategy, "launcher", None)
     for proc in getattr(launcher, "procs", []):  # processes Lightning started for the other ranks

@@ -354,8 +354,15 @@ class ClusterConfig:
     """Find the largest per-device batch that fits (a binary search of real training steps) and use it."""
     max_batch_size: int = 4096
     """Upper end of the batch-size search; on the CPU, where memory is no hard limit, it stops here."""
+    snapshot_every: int = 0
+    """Global epochs between snapshots of the whole training state (model, optimizer with FSDP's shards,
+    scheduler, Lightning's loops, RNG) in <run>/snapshots/; a run that torchrun restarts resumes from the
+    newest. 0: no snapshots."""
+    resume_from: str | None = None
+    """Resume from this snapshot file (or a run folder holding snapshots/) instead of starting over."""
 
     def __post_init__(self) -> None:
+        _check(self.snapshot_every >= 0, "snapshot_every", self.snapshot_every, "an integer >= 0")
         _check(self.strategy in STRATEGIES, "strategy", self.strategy, f"one of {', '.join(STRATEGIES)}")
         _check(self.devices is None or self.devices >= 1, "devices", self.devices, "an integer >= 1")
         _check(self.num_nodes >= 1, "num_nodes", self.num_nodes, "an integer >= 1")

@@ -18,6 +18,8 @@ list of ``kind@epoch`` or ``kind@epochxcount`` items, e.g. ``kill:allreduce@5`` 
   is for). Only 10,000 times too large, AdamW would barely notice: its update does not depend on the
   gradient's scale (measured: a swarm with such a peer and no screen went on from val acc 0.66 to 0.89).
 - ``nan_params@E``: the parameters turn NaN right after the averaging that ends epoch E.
+- ``kill:rank@E`` (``swarm-peer local`` only): the last rank SIGKILLs itself when the run reaches global
+  epoch E, on torchrun's first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0), as a lost machine would.
 
 Before it kills, the peer prints one ``FAULT INJECTED: ...`` line, so that a test can time the moment.
 """
@@ -40,7 +42,8 @@ if TYPE_CHECKING:  # torch and hivemind load only when a fault is injected: the 
 KILL_KINDS = ("kill:accumulating", "kill:matchmaking", "kill:allreduce")
 GRAD_KINDS = ("nan_grad", "inf_grad", "big_grad")
 BIG_GRAD_SCALE = -1e4
-KINDS = (*KILL_KINDS, *GRAD_KINDS, "nan_params")
+LOCAL_KILL = "kill:rank"  # swarm-peer local: the last rank SIGKILLs itself at global epoch E (first attempt)
+KINDS = (*KILL_KINDS, *GRAD_KINDS, "nan_params", LOCAL_KILL)
 _ARMED_NONE, _ARMED_MATCHMAKING, _ARMED_ALLREDUCE = 0, 1, 2
 
 

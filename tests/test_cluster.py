@@ -160,6 +160,39 @@ def test_fsdp_on_cpu_shards_and_saves_a_plain_checkpoint(peers, loopback, tmp_pa
     assert best["optimizer"] is None  # FSDP's optimizer state stays sharded; weights are whole
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_killed_rank_under_torchrun_resumes_from_the_snapshot(peers, loopback, tmp_path, strategy):
+    """torchrun --max-restarts=1: rank 1 is SIGKILLed at global epoch 5 (a lost machine); torchrun restarts
+    both ranks, which resume from the snapshot of epoch 4 (model, AdamW, scheduler, loops, the reporter's
+    figures; FSDP's optimizer shards too) in the same run folder, and finish at epoch 8."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log_dir = tmp_path / "runs"
+    args = ["local", *COMMON, "--strategy", strategy, "--max-epochs", "8", "--eval-every", "4"]
+    args += ["--snapshot-every", "2", "--inject-fault", "kill:rank@5", "--log-dir", str(log_dir)]
+    front = [*TORCHRUN, "--nproc_per_node=2", "--max-restarts=1", "--master_addr=127.0.0.1"]
+    proc = PeerProcess("torchrun", args, peers, launcher=[*front, f"--master_port={free_port()}"])
+    assert proc.wait(timeout=300) == 0, proc.output()[-6000:]
+    out = proc.output()
+    assert "FAULT INJECTED: SIGKILL to rank 1 at global epoch 5" in out
+    snapshot = run_dir(log_dir, strategy) / "snapshots" / "snapshot.ckpt"
+    assert f"Resuming from {snapshot} (restart 1)" in out, out[-6000:]
+    after = out[out.index("Resuming from") :]
+    assert f"global epoch 5 | data epoch {5 * 128 / 1438:.2f}" in after  # the epoch after the snapshot's
+    assert sorted(p.name for p in (log_dir / "demo").iterdir()) == [strategy]  # the same run folder
+    summary = json.loads((run_dir(log_dir, strategy) / "summary.json").read_text())
+    assert summary["global_epochs"] == 8 and summary["samples"] == 8 * 128, summary
+    assert [epoch for _, epoch, _ in summary["val_curve"]] == [4, 8]  # epoch 4's from the snapshot
+    sums = [r["param_checksum"] for r in summary["ranks"]]
+    assert sums[0] == sums[1] or strategy == "fsdp", sums  # FSDP ranks sum their own shards
+    # what TensorBoard shows (it drops the lost attempt's events after the snapshot): each epoch once
+    board = EventAccumulator(str(run_dir(log_dir, strategy)), size_guidance={"scalars": 0})
+    board.Reload()
+    assert [e.step for e in board.Scalars("train/loss")] == list(range(1, 9))
+    payload = torch.load(snapshot, map_location="cpu", weights_only=False)
+    assert payload["global_step"] == 8 and payload["optimizer_states"][0]["state"], list(payload)
+
+
 def test_multinode_form_two_torchrun_agents(peers, loopback, tmp_path):
     """The multi-node command: two torchrun agents (two 'nodes' on 127.0.0.1), one process each. The run stops
     after 0.3 passes over the 1438 training images: 431 samples, so at the 4th global epoch of 128 (512)."""
@@ -279,6 +312,7 @@ def test_local_cli_rejects_bad_flags_in_one_line():
         (["--strategy", "horovod"], "'horovod' is not one of"),
         (["--precision", "16-mixed", "--device", "cpu", "--max-epochs", "1"], "16-mixed"),
         (["--num-nodes", "2", "--strategy", "single", "--max-epochs", "1"], "num_nodes"),
+        (["--resume-from", "/no/snapshot.ckpt", "--max-epochs", "1", "--device", "cpu"], "no snapshot"),
     ]:
         result = runner.invoke(main, ["local", "--config", "demo", *args])
         assert result.exit_code == 2 and expected in result.output, (args, result.output)

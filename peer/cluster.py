@@ -573,6 +573,25 @@ class LocalReporter(L.Callback):
         )
 
 
+def join_process_group_of_attempt(plan: Plan, env: DistEnv) -> None:
+    """Under torchrun after a restart: the default process group, with this attempt's own keys in the store.
+
+    torchrun keeps one TCPStore across restarts, and the keys of the lost attempt stay in it: gloo's
+    ``connectFullMesh`` of the next attempt could read a dead rank's address before the new rank wrote its
+    own (seen here in about half of the restarts: "Connection refused" to the old rank's port, or a hang).
+    Lightning skips its own init when a group exists (lightning/fabric/utilities/distributed.py,
+    ``_init_dist_connection``), so this group is the one it uses."""
+    import torch.distributed as dist
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+    if not env.torchrun or attempt == "0" or env.world_size < 2 or dist.is_initialized():
+        return
+    store, rank, world_size = next(dist.rendezvous("env://", env.rank, env.world_size))
+    backend = "nccl" if plan.accelerator == "cuda" else "gloo"
+    prefixed = dist.PrefixStore(f"swarm-trainer/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size)
+
+
 def leave_process_group() -> None:
     """Every rank: wait for the others (bounded), then destroy the process group, so that no rank exits while
     another still talks to it (torchrun's agents then wait for no straggler)."""
@@ -637,6 +656,7 @@ def run_local(cfg: ExperimentConfig) -> dict[str, Any]:
         use_distributed_sampler=False,
         callbacks=[reporter],
     )
+    join_process_group_of_attempt(plan, env)
     trainer.fit(module, datamodule=data, ckpt_path=str(snapshot) if snapshot is not None else None)
     leave_process_group()
     launcher = getattr(trainer.strategy, "launcher", None)

@@ -64,6 +64,10 @@ def _exit_quietly(code: int = 0) -> None:
 
     sys.stdout.flush()
     sys.stderr.flush()
+    if "pytest" in sys.modules:
+        # a command run in-process by a test (click's CliRunner): os._exit would end the whole test session
+        # with this code, 0 included, and a truncated run would read as a pass (it did, 2026-11-24)
+        raise SystemExit(code)
     os._exit(code)
 
 
@@ -480,7 +484,10 @@ def evaluate(checkpoint: str, split: str, out: str | None, verbose: bool, **para
     help="Snapshot the training state every N global epochs; torchrun restarts resume from it [0: off].",
 )
 @click.option(
-    "--resume-from", default=None, help="Resume from this snapshot (or a run folder with snapshots/)."
+    "--resume-from",
+    "resume_snapshot",
+    default=None,
+    help="Resume from this snapshot (or a run folder with snapshots/).",
 )
 @click.option("--inject-fault", default=None, hidden=True, help="Tests only; see swarm/faults.py.")
 @click.option(

@@ -190,14 +190,14 @@ def find_snapshot(cfg: ExperimentConfig, plan: Plan) -> tuple[Path | None, Path 
     ``--resume-from`` names a snapshot or a run folder. Under torchrun, an attempt after a restart
     (``TORCHELASTIC_RESTART_COUNT`` > 0) goes on in the newest ``<strategy>*`` folder of the run, from its
     snapshot if it has one. Every rank looks for itself: across machines the log directory must be shared."""
-    if cfg.cluster.resume_from:
-        path = Path(cfg.cluster.resume_from).expanduser()
+    if cfg.cluster.resume_snapshot:
+        path = Path(cfg.cluster.resume_snapshot).expanduser()
         if path.is_dir() and (path / "snapshots" / SNAPSHOT).exists():
             path = path / "snapshots" / SNAPSHOT
         if path.name != SNAPSHOT or not path.exists():
             raise ConfigError(
-                f"resume_from={cfg.cluster.resume_from!r} is no snapshot: give <run>/snapshots/{SNAPSHOT} or "
-                "the run folder that holds it (runs with --snapshot-every N write them)"
+                f"--resume-from {cfg.cluster.resume_snapshot!r} is no snapshot: give "
+                f"<run>/snapshots/{SNAPSHOT} or the run folder that holds it (--snapshot-every N writes them)"
             )
         return path, path.parent.parent
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0"):
@@ -233,6 +233,7 @@ class LocalReporter(L.Callback):
         self.cfg, self.plan, self.data = cfg, plan, data
         self.writer: Any = None
         self.run_dir: Path | None = run_dir
+        self.reused_dir = run_dir is not None
         self.best: float | None = None
         self.best_epoch: int | None = None
         self.batch_found: int | None = None
@@ -331,8 +332,9 @@ class LocalReporter(L.Callback):
         if self.main:
             from torch.utils.tensorboard import SummaryWriter
 
-            # resumed: TensorBoard drops what the lost attempt wrote after the snapshot (purge_step)
-            purge = self.step + 1 if self.step else None
+            # resumed, or restarted in the same folder: TensorBoard drops what the lost attempt wrote after
+            # the snapshot (purge_step)
+            purge = self.step + 1 if self.step or self.reused_dir else None
             self.writer = SummaryWriter(log_dir=str(self.run_dir), flush_secs=10, purge_step=purge)
             if not self.step:
                 write_hparams(self.writer, self.cfg, [VAL_ACC, TRAIN_LOSS])

@@ -358,8 +358,8 @@ class ClusterConfig:
     """Global epochs between snapshots of the whole training state (model, optimizer with FSDP's shards,
     scheduler, Lightning's loops, RNG) in <run>/snapshots/; a run that torchrun restarts resumes from the
     newest. 0: no snapshots."""
-    resume_from: str | None = None
-    """Resume from this snapshot file (or a run folder holding snapshots/) instead of starting over."""
+    resume_snapshot: str | None = None
+    """`local --resume-from`: resume from this snapshot file (or a run folder holding snapshots/)."""
 
     def __post_init__(self) -> None:
         _check(self.snapshot_every >= 0, "snapshot_every", self.snapshot_every, "an integer >= 0")
@@ -420,6 +420,9 @@ _SECTION_TYPES = {
 FIELD_SECTION: dict[str, str] = {
     f.name: section for section, cls in _SECTION_TYPES.items() for f in dataclasses.fields(cls)
 }
+# one name per field across sections: flags, SWARM_* variables and YAML keys are flat
+_NAMES = [f.name for cls in _SECTION_TYPES.values() for f in dataclasses.fields(cls)]
+assert len(_NAMES) == len(FIELD_SECTION), sorted({n for n in _NAMES if _NAMES.count(n) > 1})
 
 
 def _coerce(name: str, value: Any, annotation: Any) -> Any:

@@ -8,6 +8,7 @@ and is stopped through its process group. The p2p client leaves ``/tmp/hivemind-
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
@@ -65,13 +66,36 @@ def stop_group(proc: subprocess.Popen, grace: float = 15.0, sig: int = signal.SI
     SIGKILL the whole group if anything is left after ``grace``.
 
     Returns the leader's exit code (None if it had to be killed and could not be reaped).
+
+    Descendants that left the group (torchrun starts its workers in sessions of their own) are SIGKILLed at
+    the end if still alive: a hung worker would otherwise outlive its agent, orphaned.
     """
     pgid = proc.pid
+    strays = [(pid, _start_time(pid)) for pid in descendants(pgid) if pid not in group_members(pgid)]
     try:
         if proc.poll() is None:
             proc.send_signal(sig)
     except ProcessLookupError:
         pass
+    try:
+        return _stop_group(proc, pgid, grace)
+    finally:
+        for pid, started in strays:
+            if started is not None and _start_time(pid) == started:  # the same process, not a reused PID
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _start_time(pid: int) -> int | None:
+    """A process's start time in clock ticks since boot (field 22 of /proc/<pid>/stat), None if gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(text[text.rfind(")") + 2 :].split()[19])
+
+
+def _stop_group(proc: subprocess.Popen, pgid: int, grace: float) -> int | None:
     deadline = time.time() + grace
     while time.time() < deadline:
         if proc.poll() is not None and not group_alive(pgid):

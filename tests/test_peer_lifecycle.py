@@ -149,3 +149,41 @@ def test_a_peer_on_a_gpu_reports_its_memory_and_utilisation(peers, tmp_path, mon
     assert summary["peak_allocated_gb"] > 0 and summary["mean_gpu_util"] is not None, summary
     assert any(h.get("gpu_mem_gb", 0) > 0 for h in summary["history"]), summary["history"]
     assert peer.wait_for(r"\| gpu [\d.]+ GB, \d+% busy", timeout=1)
+
+
+def test_stopping_a_group_also_stops_descendants_that_left_it():
+    """torchrun starts its workers in sessions of their own; a hung worker must not outlive its agent (it did:
+    after a hung restart test, two `peer local` workers of 900 MB each were left)."""
+    import subprocess
+    import sys
+
+    from swarm.procs import descendants, stop_group
+
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, time; subprocess.Popen(['sleep', '1000'], start_new_session=True); "
+            "time.sleep(1000)",
+        ],
+        start_new_session=True,
+    )
+    try:
+        wait_until(lambda: len(descendants(agent.pid)) == 1, timeout=30)
+        (worker,) = descendants(agent.pid)
+        assert worker not in group_members(agent.pid)  # its own session, out of reach of killpg
+        stop_group(agent, grace=2.0)
+        wait_until(lambda: not os.path.exists(f"/proc/{worker}") or _zombie(worker), timeout=10)
+        assert not os.path.exists(f"/proc/{worker}") or _zombie(worker)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            text = stat.read()
+    except OSError:
+        return True
+    return text[text.rfind(")") + 2] == "Z"

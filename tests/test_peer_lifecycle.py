@@ -132,7 +132,7 @@ def test_max_data_epochs_stops_a_peer_after_passes_over_its_data(peers, tmp_path
     """0.5 passes over the 1438 training images is 719 samples: the peer stops at global epoch 3 (768 in
     optimizer steps of 256). Its progress lines count both; a CPU peer reports no GPU figures."""
     summary, peer = _lone_peer(
-        peers, tmp_path, monkeypatch, "passes", "--max-data-epochs", "0.5", "--log-every", "0.5"
+        peers, tmp_path, monkeypatch, "passes", "--max-data-epochs", "0.5", "--log-every", "0.01"
     )
     assert summary["final_epoch"] == 3 and summary["data_epochs"] == round(3 * 256 / 1438, 4), summary
     assert "Reached data epoch 0.53 (max_data_epochs)" in peer.output()

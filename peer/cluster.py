@@ -392,11 +392,13 @@ class LocalReporter(L.Callback):
 
     def _maybe_fail(self, trainer: L.Trainer) -> None:
         """The test fault ``kill:rank@E`` (swarm/faults.py): the last rank dies at epoch E, first attempt."""
+        if not self.cfg.train.inject_fault:  # the common case: nothing to parse on every global epoch
+            return
         from swarm.faults import LOCAL_KILL, parse_faults
 
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
+        last_rank = trainer.global_rank == trainer.world_size - 1
         for fault in parse_faults(self.cfg.train.inject_fault):
-            last_rank = trainer.global_rank == trainer.world_size - 1
             if fault.kind == LOCAL_KILL and fault.epoch == self.step and last_rank and first_attempt:
                 print(f"FAULT INJECTED: SIGKILL to rank {trainer.global_rank} at global epoch {self.step}")
                 sys.stdout.flush()

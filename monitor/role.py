@@ -178,7 +178,7 @@ def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[s
     stop.install()
     try:
         validators, public_key = metrics.make_validators(cfg.swarm.run_id)
-        dht = start_dht(cfg.swarm, validators)
+        dht = start_dht(cfg.swarm, validators, check_reach=True)
         check_against_swarm(dht, cfg, only=MONITOR_FIELDS)  # its evaluation needs the swarm's model
         members = fence.attach(dht, public_key)  # invite-only: its state downloads need a member record
         print(

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from swarm import metrics
+from swarm import metrics, reach
 from swarm.config import ExperimentConfig
 from swarm.dht import SwarmConnectionError, start_dht, stop_dht
 from swarm.procs import remove_stale_sockets
@@ -23,10 +23,18 @@ class SwarmStatus:
     reachability: str = ""
 
 
-def reachability(addresses: list[str], client_mode: bool) -> str:
-    """Whether peers elsewhere can dial this machine, judged from the addresses its p2p node listens on."""
+def reachability(addresses: list[str], client_mode: bool, verdict: reach.Verdict | None = None) -> str:
+    """Whether peers elsewhere can dial this machine: the swarm's dial-back check (``verdict``) where peers
+    answered it, and what the addresses its p2p node listens on say."""
     if client_mode:
         return "client mode: this machine dials out only (right behind NAT; it cannot be an initial peer)"
+    if verdict is not None and verdict.unreachable:
+        return (
+            f"no peer could dial this machine ({verdict.describe()}): behind NAT or a firewall. Peers "
+            "here switch to client mode by themselves; to serve others, open the TCP port and pass "
+            "--announce-maddr"
+        )
+    checked = f" ({verdict.describe()})" if verdict is not None and verdict.asked else ""
     ips = []
     for maddr in addresses:
         parts = maddr.split("/")
@@ -39,14 +47,15 @@ def reachability(addresses: list[str], client_mode: bool) -> str:
     if public:
         return (
             f"reachable from outside at {', '.join(public)} if the firewall allows the TCP port; "
-            "others can use this machine as an initial peer"
+            f"others can use this machine as an initial peer{checked}"
         )
     if private:
         return (
-            f"only private addresses ({', '.join(private)}): peers outside this network cannot dial it. "
-            "Use --client-mode, or forward a port and pass --announce-maddr /ip4/<public ip>/tcp/<port>"
+            f"only private addresses ({', '.join(private)}): peers outside this network cannot dial "
+            f"it{checked}. Use --client-mode, or forward a port and pass "
+            "--announce-maddr /ip4/<public ip>/tcp/<port>"
         )
-    return "loopback only: reachable from this machine alone (fine for a localhost swarm)"
+    return f"loopback only: reachable from this machine alone (fine for a localhost swarm){checked}"
 
 
 def collect(cfg: ExperimentConfig, timeout: float = 10.0) -> SwarmStatus:
@@ -64,7 +73,10 @@ def collect(cfg: ExperimentConfig, timeout: float = 10.0) -> SwarmStatus:
         status.progress = metrics.fetch_progress(dht, cfg.swarm.run_id, timeout=timeout)
         targets = [r.target_batch_size for r in status.records if r.target_batch_size]
         status.target_batch_size = max(targets) if targets else cfg.swarm.target_batch_size
-        status.reachability = reachability([str(a) for a in dht.get_visible_maddrs()], cfg.swarm.client_mode)
+        verdict = None if cfg.swarm.client_mode else reach.check(dht, list(cfg.swarm.initial_peers))
+        status.reachability = reachability(
+            [str(a) for a in dht.get_visible_maddrs()], cfg.swarm.client_mode, verdict
+        )
     finally:
         stop_dht(dht)
         remove_stale_sockets(since=started, exclude_own=True, settle=2.0)

@@ -112,6 +112,11 @@ def swarm_options(func: Callable) -> Callable:
             default=None,
             help="Accept no incoming connections (Colab, Kaggle, home NAT).",
         ),
+        click.option(
+            "--auto-client-mode/--no-auto-client-mode",
+            default=None,
+            help="Ask peers to dial this one back and switch to client mode if none can [on].",
+        ),
         click.option("--log-dir", default=None, help="Root of runs/<run_id>/... [runs]."),
         click.option("--verbose", is_flag=True, help="Show hivemind's internal events."),
     ]

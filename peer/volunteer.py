@@ -428,7 +428,7 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
     stop.install()
     try:
         validators, public_key = metrics.make_validators(cfg.swarm.run_id)
-        dht = start_dht(cfg.swarm, validators)
+        dht = start_dht(cfg.swarm, validators, check_reach=True)
         check_against_swarm(dht, cfg)  # before any averager exists: a mismatch never touches the swarm
         keeper = fence.attach(dht, public_key)  # invite-only: our PeerID's proof, our averagers fenced
         publisher = ConfigPublisher(dht, cfg, public_key, peer_name)

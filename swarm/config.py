@@ -130,6 +130,16 @@ class SwarmConfig:
     """Private key file; makes the peer ID (and thus the join address) stable across restarts."""
     client_mode: bool = False
     """Accept no incoming connections; required behind NAT (Colab, Kaggle, home routers)."""
+    auto_client_mode: bool = True
+    """After joining, ask up to 3 peers to dial this one back (swarm/reach.py); if none can (NAT, a closed
+    port or security group), switch to client mode and say why in the log. Off: trust client_mode as given."""
+    use_relay: bool = True
+    """Let libp2p reach peers through relay circuits (hivemind's use_relay), e.g. a peer behind NAT that holds
+    a reservation at a public one."""
+    use_auto_relay: bool = True
+    """When the dial-back check finds this peer unreachable, also let libp2p look for a public peer to relay
+    connections to it (hivemind's use_auto_relay). Averaging does not need it: a client-mode peer sends its
+    part to reachable peers and gets the average back."""
     invite: str | None = None
     """Invite file (from `swarm-peer invite`): this peer then takes part only with peers that hold an invite
     of the same owner, and they only with it (swarm/fence.py). None: an open swarm that anyone may join."""

@@ -9,11 +9,13 @@ from __future__ import annotations
 import ipaddress
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import hivemind
 
+from swarm import reach
 from swarm.authorizer import InviteAuthorizer, RevocationWatcher
 from swarm.config import SwarmConfig
 from swarm.invite import Invite, load_invite
@@ -91,18 +93,54 @@ def check_addresses(cfg: SwarmConfig) -> None:
 
 
 def start_dht(
-    cfg: SwarmConfig, record_validators: Sequence = (), invite: Invite | None = None
+    cfg: SwarmConfig,
+    record_validators: Sequence = (),
+    invite: Invite | None = None,
+    check_reach: bool = False,
 ) -> hivemind.DHT:
     """Start this process's DHT node (and its p2p daemon) and connect it to ``cfg.initial_peers``.
 
     Raises SwarmConnectionError with advice when the initial peers cannot be reached within
     ``cfg.bootstrap_timeout`` seconds. With an invite (``invite``, else ``cfg.invite``) the DHT admits only
     peers with an invite of the same owner (swarm/fence.py) and watches the owner's revocations.
+    A node that is not in client mode answers other peers' dial-back checks (swarm/reach.py). With
+    ``check_reach`` (training peers and the monitor) and ``cfg.auto_client_mode``, a node that no peer can
+    dial is restarted in client mode, with a warning that says why; ``dht.client_mode`` tells which it is, and
+    ``dht.swarm_reach`` holds the check's :class:`swarm.reach.Verdict` (None if not checked).
     Call ``stop_dht(dht)`` when done; it stops the daemon too.
     """
     check_addresses(cfg)
     if invite is None and cfg.invite:
         invite = load_invite(cfg.invite, cfg.run_id)
+    dht = _start_dht(cfg, record_validators, invite)
+    dht.swarm_reach = None
+    if not (check_reach and cfg.auto_client_mode and not cfg.client_mode and cfg.initial_peers):
+        return dht
+    try:
+        verdict = reach.check(dht, list(cfg.initial_peers))
+    except Exception as exc:  # the check is advice: a failure to run it must not stop the peer
+        log.info("Could not check whether other peers can dial this one: %s", exc)
+        return dht
+    dht.swarm_reach = verdict
+    if not verdict.unreachable:
+        log.info("Reachability: %s", verdict.describe())
+        return dht
+    log.warning(
+        "No peer could dial this machine (%s; %s): switching to client mode. This peer still trains and "
+        "averages through the peers it can dial. To serve others too, open the TCP port and pass "
+        "--announce-maddr /ip4/<public ip>/tcp/<port>; --client-mode skips this check",
+        verdict.describe(),
+        "; ".join(sorted(set(verdict.why_not))) or "no reason given",
+    )
+    stop_dht(dht)
+    dht = _start_dht(replace(cfg, client_mode=True), record_validators, invite, restarted=True)
+    dht.swarm_reach = verdict
+    return dht
+
+
+def _start_dht(
+    cfg: SwarmConfig, record_validators: Sequence, invite: Invite | None, restarted: bool = False
+) -> hivemind.DHT:
     kwargs = dict(
         initial_peers=list(cfg.initial_peers),
         host_maddrs=list(cfg.host_maddrs),
@@ -112,9 +150,17 @@ def start_dht(
         startup_timeout=cfg.bootstrap_timeout,
         bootstrap_timeout=cfg.bootstrap_timeout,
         wait_timeout=min(cfg.bootstrap_timeout, 5.0),
-        ensure_bootstrap_success=True,
+        # hivemind validates a bootstrap by asking the initial peer to ping this node back
+        # (dht/protocol.py:118-122, 153-154). A client-mode node serves no ping, so the initial peer answers
+        # only when its own ping back times out: after wait_timeout, just when this node's ping gives up.
+        # So a client-mode node bootstraps without validation, and _bootstrapped checks that it worked.
+        ensure_bootstrap_success=not cfg.client_mode,
+        use_relay=cfg.use_relay,
         start=True,
     )
+    if restarted:
+        # the same identity was in the swarm a moment ago: hivemind's "identity taken" probe would see it
+        kwargs.update(check_if_identity_free=False, use_auto_relay=cfg.use_auto_relay and cfg.use_relay)
     if cfg.announce_maddrs:
         kwargs["announce_maddrs"] = list(cfg.announce_maddrs)
     if invite is not None:
@@ -125,24 +171,38 @@ def start_dht(
         if invite is not None:
             dht.swarm_revocations = RevocationWatcher(dht, invite)
             dht.swarm_revocations.start()
-        return dht
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if cfg.initial_peers:
-            raise SwarmConnectionError(
-                f"could not reach the initial peers {', '.join(cfg.initial_peers)} ({first}). Check the "
-                "address and port, that the first peer is still running, that its firewall or security group "
-                "allows the TCP port, and use --client-mode if this machine is behind NAT. "
-                + (
-                    "The swarm also refuses an invite of another run or owner, and an expired or revoked one"
-                    if invite is not None
-                    else "If the swarm is invite-only, pass the invite file you were sent with --invite"
-                )
-            ) from None
+            raise _unreachable_initial_peers(cfg, invite, first) from None
         raise SwarmConnectionError(
             f"could not start the p2p node on {', '.join(cfg.host_maddrs)} ({first}). Check that the port is "
             "free and the identity file is readable"
         ) from None
+    if not cfg.client_mode:
+        dht.run_coroutine(reach.serve)
+    elif cfg.initial_peers and not dht.run_coroutine(_bootstrapped):
+        stop_dht(dht)
+        raise _unreachable_initial_peers(cfg, invite, "none of them answered a ping")
+    return dht
+
+
+async def _bootstrapped(_dht: hivemind.DHT, node: Any) -> bool:
+    """Whether this node knows any peer (runs in the DHT process)."""
+    return len(node.protocol.routing_table.peer_id_to_uid) > 0
+
+
+def _unreachable_initial_peers(cfg: SwarmConfig, invite: Invite | None, why: str) -> SwarmConnectionError:
+    return SwarmConnectionError(
+        f"could not reach the initial peers {', '.join(cfg.initial_peers)} ({why}). Check the "
+        "address and port, that the first peer is still running, that its firewall or security group "
+        "allows the TCP port, and use --client-mode if this machine is behind NAT. "
+        + (
+            "The swarm also refuses an invite of another run or owner, and an expired or revoked one"
+            if invite is not None
+            else "If the swarm is invite-only, pass the invite file you were sent with --invite"
+        )
+    )
 
 
 def visible_maddrs(dht: hivemind.DHT, allow_loopback: bool | None = None) -> list[str]:
@@ -163,8 +223,13 @@ def visible_maddrs(dht: hivemind.DHT, allow_loopback: bool | None = None) -> lis
 
 
 def join_command(dht: hivemind.DHT, run_id: str | None = None, config: str | None = None) -> str:
-    """The exact line a new peer pastes to join this swarm."""
+    """The exact line a new peer pastes to join this swarm.
+
+    A client-mode node cannot be dialled, so its line names the initial peer it joined through instead.
+    """
     addrs = [a for a in visible_maddrs(dht) if "/tcp/" in a] or visible_maddrs(dht)
+    if getattr(dht, "client_mode", False) and dht.initial_peers:
+        addrs = [str(a) for a in dht.initial_peers]
     line = join_line(addrs[0]) if addrs else "swarm-peer join"
     if config:
         line += f" --config {config}"

@@ -284,6 +284,11 @@ class HivemindStrategy(SingleDeviceStrategy):
             if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
                 statistics = ("exp_avg", "exp_avg_sq")
         sigint = signal.getsignal(signal.SIGINT)  # hivemind's averagers set SIGINT to SIG_IGN in this process
+        optimizer_kwargs = dict(self._optimizer_kwargs)
+        # hivemind 1.1.12 never takes client_mode from the DHT (optim/optimizer.py:205 tests `is None` the
+        # wrong way round), so a client-mode peer's Optimizer thought itself a full peer and died at its first
+        # global epoch ("State sharing priority is unused: averager in client mode cannot share its state")
+        optimizer_kwargs.setdefault("client_mode", self.dht.client_mode)
         self.hivemind_opt = hivemind.Optimizer(
             dht=self.dht,
             run_id=self.run_id,
@@ -296,7 +301,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             grad_averager_factory=factory,
             average_opt_statistics=statistics,
             **self.compression.optimizer_kwargs(),
-            **self._optimizer_kwargs,
+            **optimizer_kwargs,
         )
         if self.diloco is not None:
             self.diloco.attach(self.hivemind_opt)

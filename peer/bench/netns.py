@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Iterable
 from typing import Any
 
 SUBNET = "10.213.0"
@@ -38,10 +39,13 @@ class LabError(RuntimeError):
 class Lab:
     """``peers`` namespaces on one bridge, each link shaped to ``mbit`` Mbit/s both ways."""
 
-    def __init__(self, peers: int, mbit: float, tag: str | None = None) -> None:
+    def __init__(
+        self, peers: int, mbit: float, tag: str | None = None, firewalled: Iterable[int] = ()
+    ) -> None:
         if not 1 <= peers <= 200:
             raise ValueError(f"a lab holds 1 to 200 peers, not {peers}")
         self.peers, self.mbit = peers, mbit
+        self.firewalled = set(firewalled)
         self.tag = tag or str(os.getpid() % 100000)
         self.hub = f"swarmlab{self.tag}-hub"
         self.made: list[str] = []
@@ -83,7 +87,31 @@ class Lab:
             _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", *shape])  # upload
-            _run(["ip", "netns", "exec", self.hub, "tc", "qdisc", "add", "dev", link, *shape])  # download
+            if i in self.firewalled:
+                self._firewall(link)
+            else:
+                _run(["ip", "netns", "exec", self.hub, "tc", "qdisc", "add", "dev", link, *shape])  # download
+
+    def _firewall(self, link: str) -> None:
+        """Shape the download of the peer behind the hub's ``link`` like the others, and let no connection
+        from outside in.
+
+        These machines' kernels have no netfilter tools, so the firewall is built from qdiscs on the hub's
+        side of the link: every TCP segment towards the peer with SYN set and ACK clear (someone else opening
+        a connection) goes to a class whose queue holds nothing. Connections the peer opens work (the answer
+        to its SYN has ACK set); connections to it never arrive, as behind a home router's NAT. The match
+        assumes IPv4 headers without options (IHL 5).
+        """
+        tc = ["ip", "netns", "exec", self.hub, "tc"]
+        syn = "match ip protocol 6 0xff match u8 0x45 0xff at 0 match u8 0x02 0x12 at 33"
+        for command in (
+            f"qdisc add dev {link} root handle 1: htb default 10 r2q 1000",
+            f"class add dev {link} parent 1: classid 1:10 htb rate {self.mbit}mbit",
+            f"class add dev {link} parent 1: classid 1:30 htb rate 1mbit",
+            f"qdisc add dev {link} parent 1:30 handle 30: pfifo limit 0",
+            f"filter add dev {link} parent 1: protocol ip prio 1 u32 {syn} flowid 1:30",
+        ):
+            _run([*tc, *command.split()])
 
     def _namespace(self, name: str) -> None:
         _ip("netns", "add", name)

@@ -1,0 +1,93 @@
+"""notebooks/join_swarm.ipynb, run top to bottom by a real Jupyter kernel (nbclient) against a real peer on
+127.0.0.1. The install cell needs internet and is left out: the kernel runs in this environment, where the
+package is installed already."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+from tests.helpers import PeerProcess, read_summary
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "join_swarm.ipynb"
+RUN_ID = "pytest-notebook"
+
+
+def _notebook(join_line: str, extra: str) -> nbformat.NotebookNode:
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nb.cells = [c for c in nb.cells if "install" not in c.metadata.get("tags", [])]
+    (params,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    params.source = "\n".join(
+        [
+            'REPO_URL = "left out: the install cell needs internet"',
+            f"JOIN_LINE = {join_line!r}",
+            'INVITE_FILE = ""',
+            f"EXTRA_FLAGS = {extra!r}",
+        ]
+    )
+    return nb
+
+
+def _text(cell: nbformat.NotebookNode) -> str:
+    parts = []
+    for out in cell.get("outputs", []):
+        parts.append(out.get("text", "") or "".join(out.get("data", {}).get("text/plain", "")))
+        parts.append("\n".join(out.get("traceback", [])))
+    return "\n".join(parts)
+
+
+def _run(nb: nbformat.NotebookNode, cwd: Path) -> None:
+    NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
+    ).execute()
+
+
+def _stop_leftover_peer(nb: nbformat.NotebookNode) -> None:
+    """The peer the training cell started runs in its own session: stop it if a failure left it running."""
+    for cell in nb.cells:
+        for pid in re.findall(r"Started the peer \(pid (\d+)\)", _text(cell)):
+            try:
+                os.killpg(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_the_notebook_joins_a_swarm_trains_and_shows_its_status(peers, tmp_path):
+    common = ["--config", "demo", "--run-id", RUN_ID, "--log-dir", str(tmp_path), "--threads", "1"]
+    # 32 steps of 32 per global epoch: the first peer is about 12 epochs in when the notebook has joined
+    common += ["--host-maddr", "/ip4/127.0.0.1/tcp/0", "--target-batch-size", "1024"]
+    first = PeerProcess("first", ["join", *common, "--peer-name", "first", "--seed", "1"], peers)
+    address = first.join_address(timeout=120)
+    (line,) = [s.strip() for s in first.lines if s.strip().startswith("swarm-peer join --initial-peers")][:1]
+
+    extra = f"--host-maddr /ip4/127.0.0.1/tcp/0 --threads 1 --log-dir {tmp_path} --peer-name notebook "
+    extra += "--seed 2 --log-every 0.5 --target-batch-size 1024"
+    nb = _notebook(line, extra + " --max-epochs 30")
+    try:
+        _run(nb, tmp_path)
+    finally:
+        _stop_leftover_peer(nb)
+    gpu, check, training, status = [_text(c) for c in nb.cells if c.cell_type == "code"][1:]
+    assert "No GPU" in gpu or "GPU:" in gpu, gpu
+    assert f"Will run: swarm-peer join --initial-peers {address}" in check, check
+    assert re.search(r"\| epoch \d+ \| peers 2", training), training[-3000:]
+    assert "The peer exited with code 0" in training, training[-3000:]
+    assert f"Swarm {RUN_ID!r}" in status and "global epoch" in status, status
+
+    summary = read_summary(tmp_path, RUN_ID, "notebook")
+    assert summary["final_epoch"] == 30, summary["final_epoch"]
+    assert summary["round_ends"]["averaged"] >= 3, summary["round_ends"]  # it trained with the first peer
+
+    # a wrong join line stops at the check, with one line that says what is wrong, before anything runs
+    bad = _notebook("pip install swarm-trainer", extra)
+    with pytest.raises(CellExecutionError) as failed:
+        _run(bad, tmp_path)
+    assert "JOIN_LINE must start with 'swarm-peer join', not 'pip install'" in str(failed.value)
+    assert "Started the peer" not in _text([c for c in bad.cells if c.cell_type == "code"][-2])

@@ -1,0 +1,165 @@
+"""Peers that others cannot dial find out by themselves and switch to client mode (swarm/reach.py).
+
+On 127.0.0.1 an unreachable peer is one that announces a port nothing listens on (a forgotten port forward, a
+closed security group). In network namespaces (root only) two peers sit behind firewalls that let no
+connection in, as a home router's NAT does, and train with a public one through the plain join line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from dataclasses import replace
+
+import pytest
+from google.protobuf.wrappers_pb2 import BytesValue
+
+from swarm import reach
+from swarm.config import SwarmConfig
+from swarm.dht import join_command, start_dht, stop_dht
+from swarm.procs import remove_stale_sockets
+from tests.helpers import PeerProcess, read_summary, synced_epochs
+
+LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _raw_request(payload: bytes, target: str, _dht, node) -> dict:
+    from hivemind.p2p import PeerID
+
+    peer = PeerID.from_base58(target.rsplit("/p2p/", 1)[1])
+    answer = await node.p2p.call_protobuf_handler(peer, reach.HANDLER, BytesValue(value=payload), BytesValue)
+    return json.loads(answer.value.decode())
+
+
+def test_a_peer_that_no_one_can_dial_switches_to_client_mode_and_says_why(caplog):
+    from functools import partial
+
+    nodes = []
+    try:
+        first = start_dht(SwarmConfig(host_maddrs=LOOPBACK, run_id="reach"))
+        nodes.append(first)
+        entry = [str(a) for a in first.get_visible_maddrs()]
+        joined = SwarmConfig(host_maddrs=LOOPBACK, run_id="reach", initial_peers=tuple(entry))
+
+        reachable = start_dht(joined, check_reach=True)
+        nodes.append(reachable)
+        assert not reachable.client_mode
+        assert (reachable.swarm_reach.asked, reachable.swarm_reach.reached) == (1, 1), reachable.swarm_reach
+
+        closed = f"/ip4/127.0.0.1/tcp/{_closed_port()}"
+        with caplog.at_level(logging.WARNING, logger="swarm.dht"):
+            hidden = start_dht(
+                SwarmConfig(
+                    host_maddrs=LOOPBACK,
+                    run_id="reach",
+                    initial_peers=tuple(entry),
+                    announce_maddrs=(closed,),
+                ),
+                check_reach=True,
+            )
+        nodes.append(hidden)
+        assert hidden.client_mode, "a peer no one could dial stays a full peer"
+        assert hidden.swarm_reach.unreachable and hidden.swarm_reach.addresses == [closed]
+        (warning,) = [r.getMessage() for r in caplog.records if "switching to client mode" in r.getMessage()]
+        # both peers it knows were asked (the first and the reachable one)
+        assert (
+            f"0 of 2 peers could dial {closed}; all dials failed" in warning and "--announce-maddr" in warning
+        ), warning
+        # its join line names a peer that others can dial, not its own dead address
+        assert entry[0] in join_command(hidden) and closed not in join_command(hidden)
+
+        # with the check off, the announced address is trusted as given
+        closed2 = f"/ip4/127.0.0.1/tcp/{_closed_port()}"
+        trusting = start_dht(
+            replace(joined, announce_maddrs=(closed2,), auto_client_mode=False), check_reach=True
+        )
+        nodes.append(trusting)
+        assert not trusting.client_mode and trusting.swarm_reach is None
+
+        # a malformed request gets an answer that says so, and the server goes on serving others
+        bad = trusting.run_coroutine(partial(_raw_request, b"\xff{not json", entry[0]))
+        assert bad == {"reached": None, "why": "malformed request"}
+        other = start_dht(joined)  # no check of its own: its first request
+        nodes.append(other)
+        good = other.run_coroutine(partial(_raw_request, json.dumps(entry).encode(), entry[0]))
+        assert good["reached"] is False  # `entry` is the server's own address, not the caller's
+    finally:
+        for node in reversed(nodes):
+            stop_dht(node)
+        remove_stale_sockets(since=0, exclude_own=True, settle=1.0)
+
+
+def _lab_unavailable() -> str | None:
+    from peer.bench.netns import unavailable
+
+    return unavailable()
+
+
+@pytest.mark.skipif(_lab_unavailable() is not None, reason=f"network namespaces: {_lab_unavailable()}")
+def test_two_peers_behind_firewalls_train_through_a_public_one(peers, tmp_path):
+    """The join line alone: the firewalled peers switch to client mode and average through the public peer."""
+    import sys
+
+    from peer.bench.netns import Lab
+
+    common = ["--config", "demo", "--run-id", "pytest-nat", "--log-dir", str(tmp_path), "--threads", "1"]
+    # 16 steps of 32 per global epoch: the public peer is about 30 epochs in when the others have joined
+    common += ["--log-every", "0.5", "--max-epochs", "60", "--target-batch-size", "512"]
+    with Lab(3, 100, tag=f"n{tmp_path.name[-4:]}", firewalled={1, 2}) as lab:
+        public = PeerProcess(
+            "public",
+            [
+                "join",
+                *common,
+                "--peer-name",
+                "public",
+                "--seed",
+                "0",
+                "--host-maddr",
+                f"/ip4/{lab.address(0)}/tcp/0",
+            ],
+            peers,
+            launcher=[*lab.prefix(0), sys.executable],
+        )
+        address = public.join_address(timeout=120)
+        hidden = [
+            PeerProcess(
+                f"nat{i}",
+                [
+                    "join",
+                    *common,
+                    "--peer-name",
+                    f"nat{i}",
+                    "--seed",
+                    str(i),
+                    "--host-maddr",
+                    f"/ip4/{lab.address(i)}/tcp/0",
+                    "--initial-peers",
+                    address,
+                ],
+                peers,
+                launcher=[*lab.prefix(i), sys.executable],
+            )
+            for i in (1, 2)
+        ]
+        for peer in [public, *hidden]:
+            everyone = "\n".join(f"--- {p.name}\n" + p.output()[-3000:] for p in [public, *hidden])
+            assert peer.wait(timeout=300) == 0, everyone
+    for peer in hidden:
+        assert "switching to client mode" in peer.output(), peer.output()[-4000:]
+    assert "switching to client mode" not in public.output()
+    summaries = {p.name: read_summary(tmp_path, "pytest-nat", p.name) for p in [public, *hidden]}
+    for name in ("nat1", "nat2"):
+        # they averaged gradients with the others (their parts went to the public peer, the reducer) ...
+        rounds = summaries[name]["round_ends"]
+        assert rounds["averaged"] >= 5 and summaries[name]["bytes_sent_gradients"] > 0, (name, rounds)
+        # ... and so held the public peer's parameters
+        common_epochs, equal = synced_epochs(summaries["public"], summaries[name], rel=1e-6)
+        assert len(common_epochs) >= 5 and equal, (name, common_epochs, equal)

@@ -25,8 +25,8 @@ from swarm import fence, metrics
 from swarm.checkpoint import CheckpointError
 from swarm.config import ExperimentConfig, save_config
 from swarm.data import build_datasets, val_loader
-from swarm.dht import check_addresses, join_command, start_dht, stop_dht
-from swarm.fingerprint import MONITOR_FIELDS, check_against_swarm
+from swarm.dht import check_addresses, start_dht, stop_dht
+from swarm.fingerprint import MONITOR_FIELDS, check_against_swarm, join_line_for
 from swarm.log import quiet_libraries
 from swarm.model import autocast_dtype, evaluate, resolve_device
 from swarm.procs import GracefulStop, remove_stale_sockets
@@ -183,7 +183,7 @@ def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[s
         members = fence.attach(dht, public_key)  # invite-only: its state downloads need a member record
         print(
             f"Monitor of run {cfg.swarm.run_id!r} is up. To join this swarm, run:\n"
-            f"  {join_command(dht, cfg.swarm.run_id, config_name)}",
+            f"  {join_line_for(dht, cfg, config_name)}",
             flush=True,
         )
         board.write_hparams(cfg)

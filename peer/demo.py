@@ -15,7 +15,8 @@ from pathlib import Path
 
 from swarm import metrics
 from swarm.config import ExperimentConfig
-from swarm.dht import join_command, start_dht, stop_dht
+from swarm.dht import start_dht, stop_dht
+from swarm.fingerprint import join_line_for
 from swarm.layout import summary_path
 from swarm.procs import Child, ChildError, GracefulStop, remove_stale_sockets
 
@@ -33,7 +34,7 @@ def run_bootstrap(cfg: ExperimentConfig, config_name: str | None = None) -> None
         dht = start_dht(cfg.swarm, validators)
         print(
             f"Bootstrap peer of run {cfg.swarm.run_id!r} is up. To join, run:\n"
-            f"  {join_command(dht, cfg.swarm.run_id, config_name)}",
+            f"  {join_line_for(dht, cfg, config_name)}",
             flush=True,
         )
         while not stop.event.wait(1.0):

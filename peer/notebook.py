@@ -12,6 +12,7 @@ client mode by itself after joining (swarm/reach.py) and says so in its log.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -33,6 +34,9 @@ def join_command(line: str, invite: str = "", extra: str = "") -> list[str]:
         words = shlex.split(text)
     except ValueError as exc:
         raise ValueError(f"JOIN_LINE is not one command line ({exc}); paste it again, in one piece") from None
+    settings = []  # SWARM_<FIELD>=value words: shared settings that the first peer changed (no flag exists)
+    while words and re.fullmatch(r"SWARM_[A-Z0-9_]+=.*", words[0]):
+        settings.append(words.pop(0))
     if words[:2] != ["swarm-peer", "join"]:
         raise ValueError(f"JOIN_LINE must start with 'swarm-peer join', not {' '.join(words[:2])!r}")
     if "--initial-peers" not in words or words.index("--initial-peers") + 1 >= len(words):
@@ -53,12 +57,13 @@ def join_command(line: str, invite: str = "", extra: str = "") -> list[str]:
         if not Path(invite).is_file():
             raise ValueError(f"INVITE_FILE {invite!r} does not exist here; upload it to the notebook first")
         words += ["--invite", invite]
-    return [sys.executable, "-m", "peer", *words[1:], *shlex.split(extra)]
+    return ["env", *settings, sys.executable, "-m", "peer", *words[1:], *shlex.split(extra)]
 
 
 def status_command(line: str, invite: str = "") -> list[str]:
     """``swarm-peer status`` for the swarm of a join line: its initial peers, run id and invite."""
-    words = join_command(line, invite)[3:]
+    command = join_command(line, invite)
+    words = command[command.index("-m") + 2 :]
     keep = []
     for flag in ("--initial-peers", "--run-id", "--invite"):
         if flag in words:

@@ -21,8 +21,8 @@ from swarm import fence, metrics, traffic
 from swarm.checkpoint import check_compatible, load_checkpoint, load_weights
 from swarm.config import ExperimentConfig, save_config
 from swarm.data import build_datasets, peer_seed, train_loader, val_loader
-from swarm.dht import check_addresses, join_command, start_dht, stop_dht
-from swarm.fingerprint import ConfigPublisher, check_against_swarm
+from swarm.dht import check_addresses, start_dht, stop_dht
+from swarm.fingerprint import ConfigPublisher, check_against_swarm, join_line_for
 from swarm.layout import volunteer_dir
 from swarm.log import quiet_libraries
 from swarm.model import SwarmClassifier, autocast_dtype, evaluate, param_checksum, resolve_device
@@ -446,7 +446,7 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
             cfg, strategy, public_key, peer_name, val_loader(val_set, cfg.data), stop, len(train_set)
         )
         reporter.publisher = publisher
-        print(f"To join this swarm, run:\n  {join_command(dht, cfg.swarm.run_id, config_name)}", flush=True)
+        print(f"To join this swarm, run:\n  {join_line_for(dht, cfg, config_name)}", flush=True)
         _fit(cfg, strategy, reporter, module, train_loader(train_set, cfg.data, seed))
     except KeyboardInterrupt:
         if not stop.event.is_set():

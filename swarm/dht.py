@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import shlex
 from collections.abc import Sequence
 from dataclasses import replace
 from multiprocessing.reduction import ForkingPickler
@@ -222,9 +223,18 @@ def visible_maddrs(dht: hivemind.DHT, allow_loopback: bool | None = None) -> lis
     return public
 
 
-def join_command(dht: hivemind.DHT, run_id: str | None = None, config: str | None = None) -> str:
+def join_command(
+    dht: hivemind.DHT,
+    run_id: str | None = None,
+    config: str | None = None,
+    settings: Sequence[str] = (),
+    environment: Sequence[str] = (),
+) -> str:
     """The exact line a new peer pastes to join this swarm.
 
+    ``settings`` are flags (``--target-batch-size 1024``) and ``environment`` ``SWARM_<FIELD>=value`` words
+    for the shared settings that this peer set apart from its config file (see
+    :func:`swarm.fingerprint.shared_overrides`): without them, a newcomer would be refused as a mismatch.
     A client-mode node cannot be dialled, so its line names the initial peer it joined through instead.
     """
     addrs = [a for a in visible_maddrs(dht) if "/tcp/" in a] or visible_maddrs(dht)
@@ -235,6 +245,10 @@ def join_command(dht: hivemind.DHT, run_id: str | None = None, config: str | Non
         line += f" --config {config}"
     if run_id:
         line += f" --run-id {run_id}"
+    if settings:
+        line += " " + " ".join(shlex.quote(word) for word in settings)
+    if environment:
+        line = " ".join(shlex.quote(word) for word in environment) + " " + line
     if getattr(dht, "swarm_invite", None) is not None:
         line += " --invite <the invite file you were sent>"
     return line

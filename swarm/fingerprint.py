@@ -40,6 +40,25 @@ MONITOR_FIELDS = tuple(f"model.{name}" for name in SHARED_FIELDS["model"]) + (
 )
 
 
+def shared_overrides(cfg: ExperimentConfig, config_name: str | None) -> dict[str, str]:
+    """``field`` -> value of the shared settings in which ``cfg`` differs from the config file it names (or
+    the defaults): what flags or the environment changed, and a newcomer's join line must repeat."""
+    from swarm.config import build_config
+
+    base = shared_settings(build_config(config_name, environ={}), weights=False)
+    mine = shared_settings(cfg, weights=False)
+    return {key.split(".", 1)[1]: value for key, value in mine.items() if base[key] != value}
+
+
+def join_line_for(dht: hivemind.DHT, cfg: ExperimentConfig, config_name: str | None) -> str:
+    """The join line of this node, with the shared settings it changed from its config file repeated."""
+    from swarm.dht import join_command
+    from swarm.layout import join_words
+
+    settings, environment = join_words(shared_overrides(cfg, config_name))
+    return join_command(dht, cfg.swarm.run_id, config_name, settings, environment)
+
+
 class ConfigMismatchError(RuntimeError):
     """This peer's settings differ from the swarm's; the message names each difference and the fix."""
 

@@ -22,6 +22,30 @@ def join_line(address: str) -> str:
     return JOIN_PREFIX + address
 
 
+# the `join` flags of the settings all peers must share (swarm/fingerprint.py); the others have none
+JOIN_FLAGS = {
+    "model_name": "--model",
+    "dataset": "--dataset",
+    "target_batch_size": "--target-batch-size",
+    "averaging": "--averaging",
+    "compression": "--compression",
+    "outer_lr": "--outer-lr",
+    "outer_momentum": "--outer-momentum",
+    "lr": "--lr",
+}
+
+
+def join_words(overrides: dict[str, str]) -> tuple[list[str], list[str]]:
+    """(flags, ``SWARM_<FIELD>=value`` words) that repeat ``overrides`` (field -> value) in a join line."""
+    flags, environment = [], []
+    for field, value in sorted(overrides.items()):
+        if field in JOIN_FLAGS:
+            flags += [JOIN_FLAGS[field], value]
+        else:
+            environment.append(f"SWARM_{field.upper()}={value}")
+    return flags, environment
+
+
 def join_address(text: str) -> str | None:
     """The address of the first join line in ``text`` (a log, or one line of one), or None."""
     found = JOIN_RE.search(text)

@@ -111,3 +111,18 @@ def test_help_lists_the_commands():
     assert result.exit_code == 0
     for command in ("join", "bootstrap", "demo"):
         assert command in result.output
+
+
+def test_the_join_line_repeats_the_shared_settings_that_flags_changed():
+    from swarm.fingerprint import shared_overrides
+    from swarm.layout import JOIN_FLAGS, join_words
+
+    cfg = build_config("demo", {"target_batch_size": 1024, "warmup_epochs": 3, "batch_size": 8}, environ={})
+    overrides = shared_overrides(cfg, "demo")
+    assert overrides == {"target_batch_size": "1024", "warmup_epochs": "3"}  # batch_size is per peer
+    assert join_words(overrides) == (["--target-batch-size", "1024"], ["SWARM_WARMUP_EPOCHS=3"])
+    assert shared_overrides(build_config("demo", environ={}), "demo") == {}
+    # the flags named in join lines exist on `join`, for the fields they stand for
+    options = {p.name: p.opts for p in main.commands["join"].params}
+    for field, flag in JOIN_FLAGS.items():
+        assert flag in options[field], (field, flag, options.get(field))

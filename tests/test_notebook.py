@@ -66,9 +66,10 @@ def test_the_notebook_joins_a_swarm_trains_and_shows_its_status(peers, tmp_path)
     first = PeerProcess("first", ["join", *common, "--peer-name", "first", "--seed", "1"], peers)
     address = first.join_address(timeout=120)
     (line,) = [s.strip() for s in first.lines if s.strip().startswith("swarm-peer join --initial-peers")][:1]
+    assert line.endswith(f"--config demo --run-id {RUN_ID} --target-batch-size 1024"), line
 
     extra = f"--host-maddr /ip4/127.0.0.1/tcp/0 --threads 1 --log-dir {tmp_path} --peer-name notebook "
-    extra += "--seed 2 --log-every 0.5 --target-batch-size 1024"
+    extra += "--seed 2 --log-every 0.5"  # no --target-batch-size: the first peer's join line carries it
     nb = _notebook(line, extra + " --max-epochs 30")
     try:
         _run(nb, tmp_path)
@@ -91,3 +92,31 @@ def test_the_notebook_joins_a_swarm_trains_and_shows_its_status(peers, tmp_path)
         _run(bad, tmp_path)
     assert "JOIN_LINE must start with 'swarm-peer join', not 'pip install'" in str(failed.value)
     assert "Started the peer" not in _text([c for c in bad.cells if c.cell_type == "code"][-2])
+
+
+ADDRESS = "/ip4/1.2.3.4/tcp/31337/p2p/12D3KooWJXm34jsMXXj1xRRjuhiorYY6HTTNXCoq5EN1QLAChu4J"
+
+
+def test_a_pasted_join_line_is_checked_and_completed(tmp_path):
+    from peer.notebook import join_command, status_command
+
+    line = f"SWARM_WARMUP_EPOCHS=3 swarm-peer join --initial-peers {ADDRESS} --config flagship --run-id r1"
+    command = join_command("!" + line + " --invite <the invite file you were sent>", invite=__file__)
+    assert command[:2] == ["env", "SWARM_WARMUP_EPOCHS=3"] and command[3:5] == ["-m", "peer"], command
+    assert command[5:] == ["join", "--initial-peers", ADDRESS, "--config", "flagship", "--run-id", "r1"] + [
+        "--invite",
+        __file__,
+    ]
+    assert status_command(line)[2:] == ["peer", "status", "--initial-peers", ADDRESS, "--run-id", "r1"]
+    for bad, says in [
+        ("", "JOIN_LINE is empty"),
+        ("pip install swarm-trainer", "must start with 'swarm-peer join', not 'pip install'"),
+        ("swarm-peer join --config demo", "has no --initial-peers address"),
+        ("swarm-peer join --initial-peers /ip4/1.2.3.4/tcp/5", "lacks the /p2p/<peer id> part"),
+        (f'swarm-peer join --initial-peers "{ADDRESS}', "not one command line"),
+        (f"{line} --invite <the invite file you were sent>", "invite-only: upload the invite file"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            join_command(bad)
+    with pytest.raises(ValueError, match="does not exist here"):
+        join_command(line, invite=str(tmp_path / "missing.tok"))

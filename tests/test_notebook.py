@@ -61,7 +61,7 @@ def _stop_leftover_peer(nb: nbformat.NotebookNode) -> None:
 
 def test_the_notebook_joins_a_swarm_trains_and_shows_its_status(peers, tmp_path):
     common = ["--config", "demo", "--run-id", RUN_ID, "--log-dir", str(tmp_path), "--threads", "1"]
-    # 32 steps of 32 per global epoch: the first peer is about 12 epochs in when the notebook has joined
+    # 32 steps of 32 per global epoch
     common += ["--host-maddr", "/ip4/127.0.0.1/tcp/0", "--target-batch-size", "1024"]
     first = PeerProcess("first", ["join", *common, "--peer-name", "first", "--seed", "1"], peers)
     address = first.join_address(timeout=120)
@@ -70,7 +70,8 @@ def test_the_notebook_joins_a_swarm_trains_and_shows_its_status(peers, tmp_path)
 
     extra = f"--host-maddr /ip4/127.0.0.1/tcp/0 --threads 1 --log-dir {tmp_path} --peer-name notebook "
     extra += "--seed 2 --log-every 0.5"  # no --target-batch-size: the first peer's join line carries it
-    nb = _notebook(line, extra + " --max-epochs 30")
+    # a time limit, not an epoch: the first peer trains on, and a slow kernel start must not let it win
+    nb = _notebook(line, extra + " --max-time 30")
     try:
         _run(nb, tmp_path)
     finally:
@@ -83,7 +84,7 @@ def test_the_notebook_joins_a_swarm_trains_and_shows_its_status(peers, tmp_path)
     assert f"Swarm {RUN_ID!r}" in status and "global epoch" in status, status
 
     summary = read_summary(tmp_path, RUN_ID, "notebook")
-    assert summary["final_epoch"] == 30, summary["final_epoch"]
+    assert summary["final_epoch"] > summary["loaded_epoch"], summary["final_epoch"]
     assert summary["round_ends"]["averaged"] >= 3, summary["round_ends"]  # it trained with the first peer
 
     # a wrong join line stops at the check, with one line that says what is wrong, before anything runs

@@ -220,7 +220,8 @@ def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[s
         if dht is not None:
             stop_dht(dht)
         remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
-    log.info("Monitor stopped at global epoch %d; best val acc %s", board.last_step, keeper.best_acc)
+    best = "n/a" if keeper.best_acc is None else f"{keeper.best_acc:.4f}"
+    log.info("Monitor stopped at global epoch %d; best val acc %s", board.last_step, best)
     return {
         "last_step": board.last_step,
         "last_eval_step": board.last_eval_step,

@@ -380,7 +380,7 @@ def monitor(**params: Any) -> None:
     summary = run_monitor(cfg, config_name=params.get("config"))
     click.echo(
         f"Monitor done: last global epoch {summary['last_step']}, best val acc "
-        f"{summary['best_acc'] if summary['best_acc'] is not None else 'n/a'}; "
+        f"{format(summary['best_acc'], '.4f') if summary['best_acc'] is not None else 'n/a'}; "
         f"tensorboard --logdir {summary['logdir']}"
     )
     _exit_quietly()

@@ -110,9 +110,9 @@ def test_monitor_logs_evaluates_checkpoints_and_survives_a_restart(peers, tmp_pa
         # the first evaluation of the swarm's model, then kill the monitor without warning
         first_eval = monitor.wait_for(EVALUATED, timeout=240)
         monitor.wait_for(r"Saved .*best\.ckpt", timeout=30)
-        # and one global epoch written to TensorBoard (the evaluation can come first: in a fresh clone the kill
-        # once left a run with the monitor's evaluation but no swarm/ point, so "the restart appended" had
-        # nothing to compare with)
+        # and one global epoch written to TensorBoard (the evaluation can come first: in a fresh clone the
+        # kill once left a run with the monitor's evaluation but no swarm/ point, so "the restart appended"
+        # had nothing to compare with)
         monitor.wait_for(r"global epoch \d+ \|", timeout=120)
         os.killpg(monitor.pgid, signal.SIGKILL)
         monitor.proc.wait(timeout=10)

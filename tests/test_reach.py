@@ -102,6 +102,8 @@ def _lab_unavailable() -> str | None:
     return unavailable()
 
 
+# 94 s; failed once in 4 runs for a cause not yet found (averaging worked; see the closing note)
+@pytest.mark.slow
 @pytest.mark.skipif(_lab_unavailable() is not None, reason=f"network namespaces: {_lab_unavailable()}")
 def test_two_peers_behind_firewalls_train_through_a_public_one(peers, tmp_path):
     """The join line alone: the firewalled peers switch to client mode and average through the public peer."""

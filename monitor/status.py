@@ -73,7 +73,7 @@ def collect(cfg: ExperimentConfig, timeout: float = 10.0) -> SwarmStatus:
         status.progress = metrics.fetch_progress(dht, cfg.swarm.run_id, timeout=timeout)
         targets = [r.target_batch_size for r in status.records if r.target_batch_size]
         status.target_batch_size = max(targets) if targets else cfg.swarm.target_batch_size
-        verdict = None if cfg.swarm.client_mode else reach.check(dht, list(cfg.swarm.initial_peers))
+        verdict = None if cfg.swarm.client_mode else reach.check(dht)
         status.reachability = reachability(
             [str(a) for a in dht.get_visible_maddrs()], cfg.swarm.client_mode, verdict
         )

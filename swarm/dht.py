@@ -118,7 +118,7 @@ def start_dht(
     if not (check_reach and cfg.auto_client_mode and not cfg.client_mode and cfg.initial_peers):
         return dht
     try:
-        verdict = reach.check(dht, list(cfg.initial_peers))
+        verdict = reach.check(dht)
     except Exception as exc:  # the check is advice: a failure to run it must not stop the peer
         log.info("Could not check whether other peers can dial this one: %s", exc)
         return dht

@@ -159,7 +159,7 @@ async def _ask(addresses: list[str], initial: list[str], _dht: Any, node: Any) -
     return verdict
 
 
-def check(dht: Any, initial_peers: list[str]) -> Verdict:
-    """Ask up to :data:`MAX_ASKED` known peers (``initial_peers`` first) to dial this DHT's addresses."""
+def check(dht: Any) -> Verdict:
+    """Ask up to :data:`MAX_ASKED` known peers (the DHT's initial peers first) to dial its addresses."""
     addresses = [str(a) for a in dht.get_visible_maddrs()]
-    return dht.run_coroutine(partial(_ask, addresses, list(initial_peers)))
+    return dht.run_coroutine(partial(_ask, addresses, [str(m) for m in dht.initial_peers or ()]))

@@ -63,6 +63,17 @@
    ``BAD_GROUP_ID`` after ``request_timeout``, and makes the all-reduce drop a groupmate whose reducer failed
    before it sent anything, so the round ends with those who came.
 
+9. **Peers that average together share one epoch.** A newcomer, or a peer that spent a few rounds alone,
+   can reach the next round one epoch behind its groupmates: the progress tracker, refreshed every
+   ``min_refresh_period``, makes a peer one epoch behind ready at once (``ready_to_update_epoch``), it joins
+   the others' round and still steps only ``local_epoch + 1`` (optimizer.py, ``_update_global_epoch``);
+   hivemind's exact-epoch check runs only after a progress fetch within the epoch, so with epochs shorter
+   than the refresh period the two stay one apart, averaging every round with identical parameters under
+   different epoch numbers (and learning rates). In a test run, a newcomer and the first peer averaged
+   parameters at every round while one epoch apart. The state averager therefore runs with hivemind's
+   ``sync_epoch_when_averaging`` (optim/state_averager.py, ``_do``): after a state round every member takes
+   the group's newest epoch. :func:`sane_epochs` keeps a groupmate from moving it by more than one.
+
 The subclasses keep hivemind's class names: the p2p handlers' names are built from the class name, and must
 match those of other peers.
 """
@@ -200,6 +211,20 @@ def _roles(averager: Any) -> list[str]:
     return [_ROLE_NAMES.get(info.role.name, "extra tensors") for info in averager.tensor_infos]
 
 
+def sane_epochs(gathered: dict, own_id: Any) -> dict:
+    """The epochs that a state averaging round gathered (item 9), each one an int from this peer's own epoch
+    up to one more: a groupmate's malformed or far-ahead epoch must not move this peer (one that is further
+    ahead hands its state over through hivemind's catch-up download instead)."""
+
+    def is_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    own = gathered.get(own_id)
+    if not is_int(own):
+        return {}
+    return {peer: min(e, own + 1) if is_int(e) and e > own else own for peer, e in gathered.items()}
+
+
 @cache
 def _state_averager_class(base: type) -> type:
     def get_current_state(self: Any) -> tuple[Any, list[torch.Tensor], list[Any]]:
@@ -267,8 +292,15 @@ def _state_averager_class(base: type) -> type:
             self.on_rejected("download", reason, 0)
         return result
 
+    async def _aggregate_with_group(self: Any, group_info: Any, *args: Any, **kwargs: Any) -> Any:
+        """hivemind's averaging round, with the groupmates' epochs made safe for ``sync_epoch_when_averaging``
+        (item 9). Runs in the averager process."""
+        gathered = await base._aggregate_with_group(self, group_info, *args, **kwargs)
+        return sane_epochs(gathered, self.peer_id)
+
     attrs = {
         "__module__": __name__,
+        "_aggregate_with_group": _aggregate_with_group,
         "get_current_state": get_current_state,
         "_apply_averaging_results_": _apply_averaging_results_,
         "load_state_from_peers": load_state_from_peers,

@@ -191,7 +191,8 @@ class HivemindStrategy(SingleDeviceStrategy):
             load_state_timeout=load_state_timeout,
             next_chunk_timeout=next_chunk_timeout,
             delay_state_averaging=False,
-            averager_opts={"request_timeout": request_timeout},
+            # to the state averager only; peers that average their state take the group's newest epoch
+            averager_opts={"request_timeout": request_timeout, "sync_epoch_when_averaging": True},
             verbose=verbose,
             **optimizer_kwargs,
         )

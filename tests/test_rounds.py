@@ -423,3 +423,46 @@ def test_a_state_download_with_outsized_numbers_is_undone_and_an_honest_one_kept
     finally:
         for averager in (a, b):
             averager.shutdown()
+
+
+def test_peers_that_average_their_state_leave_the_round_at_one_epoch(dhts):
+    """A peer one epoch behind that joins its groupmate's round takes the groupmate's epoch (the epochs
+    differed by one in a test run, so equal parameters had different epoch numbers); a groupmate far ahead
+    moves it by one epoch only, and a malformed epoch not at all."""
+    from hivemind.optim.state_averager import TrainingStateAverager
+
+    node_a, node_b = dhts(2)
+    cls = averagers._state_averager_class(TrainingStateAverager)
+    common = dict(
+        prefix="pytest-rounds-epochs",
+        optimizer=partial(torch.optim.SGD, lr=0.1),
+        min_matchmaking_time=MATCHMAKING,
+        request_timeout=1.5,
+        sync_epoch_when_averaging=True,
+        start=True,
+    )
+    a = cls(dht=node_a, params=torch.nn.Linear(4, 3).parameters(), **common)
+    b = cls(dht=node_b, params=torch.nn.Linear(4, 3).parameters(), **common)
+
+    def average(epoch_a: int, epoch_b: int) -> tuple[int, int]:
+        a.local_epoch, b.local_epoch = epoch_a, epoch_b
+        opts = dict(increment_epoch=True, averaging_round=True, averaging_opts=dict(timeout=MATCHMAKING + 10))
+        other = threading.Thread(target=b.step, kwargs=opts)
+        other.start()
+        a.step(**opts)
+        other.join(timeout=MATCHMAKING)
+        assert not other.is_alive()
+        return a.local_epoch, b.local_epoch
+
+    try:
+        for averager in (a, b):
+            averagers.set_target_group_size(averager, 2)
+        assert average(4, 5) == (6, 6)
+        assert average(7, 100) == (9, 101)
+    finally:
+        for averager in (a, b):
+            averager.shutdown()
+    assert averagers.sane_epochs({"a": 5, "b": "x", "c": 4, "d": True, "e": 6}, "a") == dict(
+        a=5, b=5, c=5, d=5, e=6
+    )
+    assert averagers.sane_epochs({"a": None, "b": 7}, "a") == {}

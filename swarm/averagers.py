@@ -26,7 +26,13 @@
    averager process, which serializes them after the lock is released, and hivemind.Optimizer runs the
    local update without that lock (``reuse_tensors=False``), so a download could catch a donor's update
    half-applied. :func:`install` makes the state averager copy its state under the lock, and
-   :func:`lock_updates` holds the lock while the optimizer updates.
+   :func:`lock_updates` holds the lock while the optimizer updates. Nor a state between two epochs:
+   hivemind numbers the new epoch before the update and the state round that make it (state_averager.py,
+   ``step`` then ``_do``), so a download in between got the new number with the old parameters, or this
+   peer's own update before the group's average (in a test, a newcomer's parameters matched no peer's at
+   any epoch). The state averager serves its state only once the epoch's step has ended. It waits for that
+   up to half of ``next_chunk_timeout`` (within which the downloader expects a first part) and then sends
+   nothing, which hivemind's downloader takes as "ask the next peer".
 5. **A pre-scheduled round is never cancelled.** hivemind.Optimizer pre-schedules the gradient round when
    the epoch is near, even with no other peer, and cancels it at the epoch's end when its tracker counts no
    other peer (optimizer.py, ``_begin_averaging_gradients``). A cancel that lands during matchmaking can
@@ -227,13 +233,34 @@ def sane_epochs(gathered: dict, own_id: Any) -> dict:
 
 @cache
 def _state_averager_class(base: type) -> type:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        self._swarm_settled = threading.Event()  # clear while an epoch's step runs (item 4)
+        self._swarm_settled.set()
+        base.__init__(self, *args, **kwargs)  # starts the thread that serves the state
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        """hivemind's step; an epoch's step (increment_epoch) is unsettled until it returns. The swarm runs
+        it synchronously (no delayed updates or averaging): the update and the state round are done then."""
+        if not kwargs.get("increment_epoch"):
+            return base.step(self, *args, **kwargs)
+        self._swarm_settled.clear()
+        try:
+            return base.step(self, *args, **kwargs)
+        finally:
+            self._swarm_settled.set()
+
     def get_current_state(self: Any) -> tuple[Any, list[torch.Tensor], list[Any]]:
-        """hivemind's get_current_state (optim/state_averager.py), with copies taken under the lock."""
+        """hivemind's get_current_state (optim/state_averager.py), once the epoch's step has ended, with
+        copies taken under the lock (item 4)."""
         from itertools import chain
 
         from hivemind.compression import CompressionInfo, TensorRole
         from hivemind.optim.state_averager import dump_optimizer_state
 
+        wait = 0.5 * (self.next_chunk_timeout or 10.0)  # hivemind's downloader waits that long for a part
+        if not self._swarm_settled.wait(wait):
+            log.info("Sent no state to a peer: this one was in an epoch's step for %.1f s", wait)
+            return None, [], []  # no part: the downloader asks the next peer (averager.py)
         with torch.no_grad(), self.lock_averaged_tensors:
             params = [
                 p.detach().to("cpu", copy=True) for g in self.optimizer.param_groups for p in g["params"]
@@ -300,6 +327,8 @@ def _state_averager_class(base: type) -> type:
 
     attrs = {
         "__module__": __name__,
+        "__init__": __init__,
+        "step": step,
         "_aggregate_with_group": _aggregate_with_group,
         "get_current_state": get_current_state,
         "_apply_averaging_results_": _apply_averaging_results_,

@@ -225,19 +225,14 @@ def test_diloco_peers_end_each_outer_step_equal_and_a_newcomer_loads_inner_and_o
     assert (
         c["loaded_epoch"] >= 2 and loaded["outer_momentum_norm"] > 0 and loaded["inner_exp_avg_sq_sum"] > 0
     ), (c["loaded_epoch"], loaded, late.output()[-3000:])
-    # the newcomer holds the donor's anchor of the epoch it announced, or of the one before, or a mix of the
-    # two: hivemind.Optimizer (reuse_tensors=False) runs the optimizer step without lock_averaged_tensors, so
-    # a download that comes during the donor's outer step can catch it half-applied (seen once in a fresh
-    # clone: 552.17 between 543.77 at epoch 5 and 552.82 at epoch 6). Each peer's own init is far outside.
-    loaded_at = c["loaded_epoch"]
-    for k in range(2):
-        values = [
-            s["checksums"][str(e)][k]
-            for s in (a, b)
-            for e in (loaded_at - 1, loaded_at)
-            if str(e) in s["checksums"]
-        ]
-        assert values, (loaded_at, a["checksums"].keys(), b["checksums"].keys())
-        low, high = min(values), max(values)
-        slack = 0.1 * (high - low) + 2e-4 * abs(high)
-        assert low - slack <= c["start_checksum"][k] <= high + slack, (k, c["start_checksum"], values)
+    # the newcomer holds a donor's anchor of the epoch it announced, exactly: a donor serves its state only
+    # between epoch steps (swarm/averagers.py, item 4). Before that rule, a download during the donor's step
+    # got the new epoch's number with the donor's own update before the group's average (seen: 404.85 between
+    # 406.06 at the epoch it announced and 395.24 at the next). Each peer's own init is far from any anchor.
+    loaded_at = str(c["loaded_epoch"])
+    anchors = [s["checksums"][loaded_at] for s in (a, b) if loaded_at in s["checksums"]]
+    assert any(c["start_checksum"] == pytest.approx(x, rel=1e-6) for x in anchors), (
+        loaded_at,
+        c["start_checksum"],
+        anchors,
+    )

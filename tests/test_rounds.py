@@ -466,3 +466,64 @@ def test_peers_that_average_their_state_leave_the_round_at_one_epoch(dhts):
         a=5, b=5, c=5, d=5, e=6
     )
     assert averagers.sane_epochs({"a": None, "b": 7}, "a") == {}
+
+
+def test_a_state_download_waits_for_the_donors_epoch_step_or_asks_another(dhts):
+    """hivemind numbers the new epoch before the update and the state round that make it, so a download
+    during A's epoch step would get the new number with a state that is not yet the epoch's. B's download,
+    asked 0.5 s into A's step (a state round that finds no group for 3 s), arrives only after the step,
+    with A's epoch and parameters of then. With a shorter wait than the step, A sends nothing and B keeps its
+    own state."""
+    from hivemind.optim.state_averager import TrainingStateAverager
+
+    node_a, node_b = dhts(2)
+    torch.manual_seed(0)
+    net_a, net_b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    cls = averagers._state_averager_class(TrainingStateAverager)
+    common = dict(
+        prefix="pytest-rounds-settled",
+        optimizer=partial(torch.optim.SGD, lr=0.1),
+        min_matchmaking_time=3.0,
+        request_timeout=1.0,
+        next_chunk_timeout=10.0,
+        start=True,
+    )
+    a = cls(dht=node_a, params=net_a.parameters(), **common)
+    b = cls(dht=node_b, params=net_b.parameters(), **common)
+
+    def a_steps() -> tuple[threading.Thread, list[float]]:
+        ended: list[float] = []
+
+        def run() -> None:
+            a.step(increment_epoch=True, averaging_round=True, averaging_opts=dict(timeout=3.0))
+            ended.append(time.monotonic())
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        time.sleep(0.5)
+        return thread, ended
+
+    try:
+        a.state_sharing_priority = 1
+        thread, ended = a_steps()
+        b.load_state_from_peers(timeout=20)
+        loaded_at = time.monotonic()
+        thread.join(timeout=20)
+        assert ended and loaded_at >= ended[0], (ended, loaded_at)
+        assert a.local_epoch == b.local_epoch == 1
+        for p, q in zip(net_a.parameters(), net_b.parameters(), strict=True):
+            torch.testing.assert_close(p.detach(), q.detach())
+
+        a.next_chunk_timeout = 1.0  # A waits for its step half of that
+        a.state_sharing_priority = 2
+        kept = [p.detach().clone() for p in net_b.parameters()]
+        thread, _ = a_steps()
+        b.load_state_from_peers(timeout=20)
+        assert thread.is_alive(), "A's step ended before the download was refused: the test proves nothing"
+        thread.join(timeout=20)
+        assert a.local_epoch == 2 and b.local_epoch == 1
+        for p, k in zip(net_b.parameters(), kept, strict=True):
+            torch.testing.assert_close(p.detach(), k)
+    finally:
+        for averager in (a, b):
+            averager.shutdown()

@@ -441,6 +441,7 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
             resume_epoch=resume.get("global_epoch"),
             resume_optimizer_state=resume.get("optimizer"),
             faults=_fault_injector(cfg),
+            verbose=logging.getLogger().isEnabledFor(logging.DEBUG),  # --verbose: hivemind's own events too
         )
         reporter = SwarmReporter(
             cfg, strategy, public_key, peer_name, val_loader(val_set, cfg.data), stop, len(train_set)

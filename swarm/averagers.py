@@ -79,6 +79,16 @@
    parameters at every round while one epoch apart. The state averager therefore runs with hivemind's
    ``sync_epoch_when_averaging`` (optim/state_averager.py, ``_do``): after a state round every member takes
    the group's newest epoch. :func:`sane_epochs` keeps a groupmate from moving it by more than one.
+10. **A round is never skipped because the last one was pre-scheduled.** ``_begin_averaging_gradients``
+   (optimizer.py) finds the control of the previous round still in ``scheduled_grads`` when no round was
+   pre-scheduled for this one, logs "Not using pre-scheduled group ... already used elsewhere", drops it,
+   and then starts no round at all (the fresh round is in the ``elif`` branch it no longer reaches): the
+   peer steps alone, and its groupmates, whose rounds were pre-scheduled, wait for it until
+   ``averaging_timeout``. A round is pre-scheduled only when the tracker's estimate says the epoch ends within
+   ``matchmaking_time``, so this happens whenever the swarm is ready sooner than estimated, and always when
+   DiLoCo's outer step calls ``_update_global_epoch`` after a fetch that found the swarm ready. In a DiLoCo
+   test with the demo's timeouts, 2 of 11 rounds took 15 s so (one peer "alone", the other "local").
+   :func:`never_cancel_rounds` drops the used control before hivemind looks at it, so a fresh round starts.
 
 The subclasses keep hivemind's class names: the p2p handlers' names are built from the class name, and must
 match those of other peers.
@@ -418,6 +428,10 @@ def never_cancel_rounds(opt: Any) -> None:
 
     def begin_without_cancelling(grad_scaler: Any) -> bool:
         control = opt.scheduled_grads
+        if control is not None and (control.triggered or control.done()):
+            # the previous round's control, never scheduled anew (item 10): hivemind would drop it and then
+            # skip this round altogether; dropped here, hivemind starts a round of its own below
+            opt.scheduled_grads = control = None
         pending = control is not None and not (control.triggered or control.done())
         if pending and opt.tracker.global_progress.num_peers <= 1:
             # the round was scheduled while other peers were seen: run it (if they are gone, it fails at its

@@ -527,3 +527,54 @@ def test_a_state_download_waits_for_the_donors_epoch_step_or_asks_another(dhts):
     finally:
         for averager in (a, b):
             averager.shutdown()
+
+
+def test_a_round_starts_when_the_last_ones_control_is_still_there(dhts):
+    """When no round was pre-scheduled for this epoch, hivemind.Optimizer still holds the previous round's
+    control, drops it as "already used elsewhere", and starts no round at all (its groupmates then waited
+    for it until averaging_timeout). With never_cancel_rounds a fresh round starts."""
+    (node_a,) = dhts(1)
+    net = torch.nn.Linear(4, 3)
+    opt_a = hivemind.Optimizer(
+        dht=node_a,
+        run_id="pytest-rounds-fail",
+        params=net.parameters(),
+        optimizer=partial(torch.optim.SGD, lr=1.0),
+        target_batch_size=8,
+        batch_size_per_step=4,
+        matchmaking_time=2.0,
+        averaging_timeout=4.0,
+        averager_opts={"request_timeout": 1.5},
+        grad_averager_factory=averagers.round_averager(partial(GradientAverager, request_timeout=1.5)),
+    )
+    peer_b = start_group(  # only announces progress, so that A counts two peers
+        [sys.executable, "-c", PROGRESS_ONLY, *map(str, node_a.get_visible_maddrs())],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+
+        def both_seen() -> bool:
+            opt_a.tracker.report_local_progress(0, 1)
+            return opt_a.tracker.global_progress.num_peers >= 2
+
+        wait_until(both_seen, timeout=60)
+        assert opt_a.tracker.global_progress.num_peers == 2, peer_b.poll()
+
+        def begin_with_a_used_control(opt: hivemind.Optimizer) -> bool:
+            used = opt.grad_averager.schedule_step(timeout=4.0)
+            used.cancel()  # as done as the last round's control
+            opt.scheduled_grads = used
+            began = opt._begin_averaging_gradients(None)
+            fresh = opt.scheduled_grads
+            if fresh is not None and fresh is not used and not fresh.done():
+                fresh.cancel()
+            return began and fresh is not None and fresh is not used
+
+        assert not begin_with_a_used_control(opt_a)  # hivemind's own: no round
+        averagers.never_cancel_rounds(opt_a)
+        assert begin_with_a_used_control(opt_a)
+    finally:
+        stop_group(peer_b, grace=10.0)
+        opt_a.shutdown()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from functools import partial
 from types import SimpleNamespace
 
@@ -57,6 +58,43 @@ def dhts():
     for node in nodes:
         node.shutdown()
     remove_stale_sockets(since=started, settle=1.0)
+
+
+@contextmanager
+def _optimizer_beside_a_progress_only_peer(node: hivemind.DHT, net: torch.nn.Module):
+    """A hivemind.Optimizer on ``node`` (SGD, lr 1) with the swarm's round averager, and a second peer B that
+    only announces progress, as a peer that is busy or stuck would: A counts two peers, so it tries to average
+    with B. B is another process because progress records are signed with a process-wide key."""
+    opt = hivemind.Optimizer(
+        dht=node,
+        run_id="pytest-rounds-fail",
+        params=net.parameters(),
+        optimizer=partial(torch.optim.SGD, lr=1.0),
+        target_batch_size=8,
+        batch_size_per_step=4,
+        matchmaking_time=2.0,
+        averaging_timeout=4.0,
+        averager_opts={"request_timeout": 1.5},
+        grad_averager_factory=averagers.round_averager(partial(GradientAverager, request_timeout=1.5)),
+    )
+    peer_b = start_group(
+        [sys.executable, "-c", PROGRESS_ONLY, *map(str, node.get_visible_maddrs())],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+
+        def both_seen() -> bool:
+            opt.tracker.report_local_progress(0, 1)  # a tracker reports once it has samples
+            return opt.tracker.global_progress.num_peers >= 2
+
+        wait_until(both_seen, timeout=60)
+        assert opt.tracker.global_progress.num_peers == 2, peer_b.poll()
+        yield opt
+    finally:
+        stop_group(peer_b, grace=10.0)
+        opt.shutdown()
 
 
 def _state(seed: int) -> tuple[list[torch.Tensor], list[CompressionInfo]]:
@@ -194,34 +232,7 @@ def test_failed_round_steps_on_own_gradient_not_zeros(dhts):
     torch.manual_seed(0)
     net = torch.nn.Linear(4, 3)
     before = [p.detach().clone() for p in net.parameters()]
-    opt_a = hivemind.Optimizer(
-        dht=node_a,
-        run_id="pytest-rounds-fail",
-        params=net.parameters(),
-        optimizer=partial(torch.optim.SGD, lr=1.0),
-        target_batch_size=8,
-        batch_size_per_step=4,
-        matchmaking_time=2.0,
-        averaging_timeout=4.0,
-        averager_opts={"request_timeout": 1.5},
-        grad_averager_factory=averagers.round_averager(partial(GradientAverager, request_timeout=1.5)),
-    )
-    # B (another process: progress records are signed with a process-wide key) only announces progress, as a
-    # peer that is busy or stuck would; A counts it, so A tries to average with it
-    peer_b = start_group(
-        [sys.executable, "-c", PROGRESS_ONLY, *map(str, node_a.get_visible_maddrs())],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-
-        def both_seen() -> bool:
-            opt_a.tracker.report_local_progress(0, 1)  # a tracker reports once it has samples
-            return opt_a.tracker.global_progress.num_peers >= 2
-
-        wait_until(both_seen, timeout=60)
-        assert opt_a.tracker.global_progress.num_peers == 2, peer_b.poll()
+    with _optimizer_beside_a_progress_only_peer(node_a, net) as opt_a:
         grads = []
         for step in range(4):  # the round ends once A and B have 8 samples (or hivemind's ETA says so)
             x = torch.randn(4, 4, generator=torch.Generator().manual_seed(step))
@@ -236,9 +247,6 @@ def test_failed_round_steps_on_own_gradient_not_zeros(dhts):
         own = [sum(g) / len(grads) for g in zip(*grads, strict=True)]
         for p, b, g in zip(net.parameters(), before, own, strict=True):
             torch.testing.assert_close(p.detach(), b - g, rtol=1e-5, atol=1e-6)
-    finally:
-        stop_group(peer_b, grace=10.0)
-        opt_a.shutdown()
 
 
 def test_progress_is_reported_a_few_times_a_second_and_the_last_count_arrives(dhts):
@@ -534,33 +542,7 @@ def test_a_round_starts_when_the_last_ones_control_is_still_there(dhts):
     control, drops it as "already used elsewhere", and starts no round at all (its groupmates then waited
     for it until averaging_timeout). With never_cancel_rounds a fresh round starts."""
     (node_a,) = dhts(1)
-    net = torch.nn.Linear(4, 3)
-    opt_a = hivemind.Optimizer(
-        dht=node_a,
-        run_id="pytest-rounds-fail",
-        params=net.parameters(),
-        optimizer=partial(torch.optim.SGD, lr=1.0),
-        target_batch_size=8,
-        batch_size_per_step=4,
-        matchmaking_time=2.0,
-        averaging_timeout=4.0,
-        averager_opts={"request_timeout": 1.5},
-        grad_averager_factory=averagers.round_averager(partial(GradientAverager, request_timeout=1.5)),
-    )
-    peer_b = start_group(  # only announces progress, so that A counts two peers
-        [sys.executable, "-c", PROGRESS_ONLY, *map(str, node_a.get_visible_maddrs())],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-
-        def both_seen() -> bool:
-            opt_a.tracker.report_local_progress(0, 1)
-            return opt_a.tracker.global_progress.num_peers >= 2
-
-        wait_until(both_seen, timeout=60)
-        assert opt_a.tracker.global_progress.num_peers == 2, peer_b.poll()
+    with _optimizer_beside_a_progress_only_peer(node_a, torch.nn.Linear(4, 3)) as opt_a:
 
         def begin_with_a_used_control(opt: hivemind.Optimizer) -> bool:
             used = opt.grad_averager.schedule_step(timeout=4.0)
@@ -575,6 +557,3 @@ def test_a_round_starts_when_the_last_ones_control_is_still_there(dhts):
         assert not begin_with_a_used_control(opt_a)  # hivemind's own: no round
         averagers.never_cancel_rounds(opt_a)
         assert begin_with_a_used_control(opt_a)
-    finally:
-        stop_group(peer_b, grace=10.0)
-        opt_a.shutdown()

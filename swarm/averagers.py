@@ -432,8 +432,7 @@ def never_cancel_rounds(opt: Any) -> None:
             # the previous round's control, never scheduled anew (item 10): hivemind would drop it and then
             # skip this round altogether; dropped here, hivemind starts a round of its own below
             opt.scheduled_grads = control = None
-        pending = control is not None and not (control.triggered or control.done())
-        if pending and opt.tracker.global_progress.num_peers <= 1:
+        if control is not None and opt.tracker.global_progress.num_peers <= 1:
             # the round was scheduled while other peers were seen: run it (if they are gone, it fails at its
             # deadline and this peer steps on its own gradient) rather than cancel it
             opt.scheduled_grads = opt.grad_averager.step(control=control, reset_accumulators=True, wait=False)

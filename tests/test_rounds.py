@@ -97,6 +97,18 @@ def _optimizer_beside_a_progress_only_peer(node: hivemind.DHT, net: torch.nn.Mod
         opt.shutdown()
 
 
+def _state_averagers(nodes: list, nets: list, prefix: str, **options) -> list:
+    """The swarm's state averager (SGD, lr 0.1) on each DHT node, over each net's parameters."""
+    from hivemind.optim.state_averager import TrainingStateAverager
+
+    cls = averagers._state_averager_class(TrainingStateAverager)
+    sgd = partial(torch.optim.SGD, lr=0.1)
+    return [
+        cls(dht=node, params=net.parameters(), prefix=prefix, optimizer=sgd, start=True, **options)
+        for node, net in zip(nodes, nets, strict=True)
+    ]
+
+
 def _state(seed: int) -> tuple[list[torch.Tensor], list[CompressionInfo]]:
     """A state like the state averager's: parameters, then Adam statistics, of mixed sizes and dtypes."""
     gen = torch.Generator().manual_seed(seed)
@@ -347,8 +359,6 @@ def test_an_outsized_averaged_gradient_is_rejected_for_the_peers_own(dhts):
 def test_an_outsized_averaged_state_is_rejected_and_the_peer_keeps_its_own(dhts):
     """A's state averager averages with B's (the same class, without a screen), whose parameters are 10,000
     times too large: A keeps its own parameters and counts the round, while B takes the mean."""
-    from hivemind.optim.state_averager import TrainingStateAverager
-
     node_a, node_b = dhts(2)
     torch.manual_seed(0)
     net_a, net_b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
@@ -357,18 +367,12 @@ def test_an_outsized_averaged_state_is_rejected_and_the_peer_keeps_its_own(dhts)
             p.mul_(1e4)
     before_a = [p.detach().clone() for p in net_a.parameters()]
     mean = [(p + q.detach()) / 2 for p, q in zip(before_a, net_b.parameters(), strict=True)]
-    common = dict(
-        prefix="pytest-rounds-state-screen",
-        optimizer=partial(torch.optim.SGD, lr=0.1),
+    a, b = _state_averagers(
+        [node_a, node_b],
+        [net_a, net_b],
+        "pytest-rounds-state-screen",
         min_matchmaking_time=MATCHMAKING,
         request_timeout=1.5,
-        start=True,
-    )
-    a = averagers._state_averager_class(TrainingStateAverager)(
-        dht=node_a, params=net_a.parameters(), **common
-    )
-    b = averagers._state_averager_class(TrainingStateAverager)(
-        dht=node_b, params=net_b.parameters(), **common
     )
     screen, rejected = RoundScreen(10.0), []
     a.screen, a.on_rejected = screen, lambda *args: rejected.append(args)
@@ -398,15 +402,10 @@ def test_a_state_download_with_outsized_numbers_is_undone_and_an_honest_one_kept
     runs ahead could hand its state over. A downloads twice from B (the same averager class, without a
     screen): first an honest state, which A takes whole; then one whose parameters are 10,000 times too
     large, which A undoes, keeping its own tensors but taking B's newer epoch."""
-    from hivemind.optim.state_averager import TrainingStateAverager
-
     node_a, node_b = dhts(2)
     torch.manual_seed(0)
     net_a, net_b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
-    cls = averagers._state_averager_class(TrainingStateAverager)
-    common = dict(prefix="pytest-rounds-download", optimizer=partial(torch.optim.SGD, lr=0.1), start=True)
-    a = cls(dht=node_a, params=net_a.parameters(), **common)
-    b = cls(dht=node_b, params=net_b.parameters(), **common)
+    a, b = _state_averagers([node_a, node_b], [net_a, net_b], "pytest-rounds-download")
     screen, rejected = RoundScreen(10.0), []
     a.screen, a.on_rejected = screen, lambda *args: rejected.append(args)
     try:
@@ -437,20 +436,15 @@ def test_peers_that_average_their_state_leave_the_round_at_one_epoch(dhts):
     """A peer one epoch behind that joins its groupmate's round takes the groupmate's epoch (the epochs
     differed by one in a test run, so equal parameters had different epoch numbers); a groupmate far ahead
     moves it by one epoch only, and a malformed epoch not at all."""
-    from hivemind.optim.state_averager import TrainingStateAverager
-
     node_a, node_b = dhts(2)
-    cls = averagers._state_averager_class(TrainingStateAverager)
-    common = dict(
-        prefix="pytest-rounds-epochs",
-        optimizer=partial(torch.optim.SGD, lr=0.1),
+    a, b = _state_averagers(
+        [node_a, node_b],
+        [torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)],
+        "pytest-rounds-epochs",
         min_matchmaking_time=MATCHMAKING,
         request_timeout=1.5,
         sync_epoch_when_averaging=True,
-        start=True,
     )
-    a = cls(dht=node_a, params=torch.nn.Linear(4, 3).parameters(), **common)
-    b = cls(dht=node_b, params=torch.nn.Linear(4, 3).parameters(), **common)
 
     def average(epoch_a: int, epoch_b: int) -> tuple[int, int]:
         a.local_epoch, b.local_epoch = epoch_a, epoch_b
@@ -482,22 +476,17 @@ def test_a_state_download_waits_for_the_donors_epoch_step_or_asks_another(dhts):
     asked 0.5 s into A's step (a state round that finds no group for 3 s), arrives only after the step,
     with A's epoch and parameters of then. With a shorter wait than the step, A sends nothing and B keeps its
     own state."""
-    from hivemind.optim.state_averager import TrainingStateAverager
-
     node_a, node_b = dhts(2)
     torch.manual_seed(0)
     net_a, net_b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
-    cls = averagers._state_averager_class(TrainingStateAverager)
-    common = dict(
-        prefix="pytest-rounds-settled",
-        optimizer=partial(torch.optim.SGD, lr=0.1),
+    a, b = _state_averagers(
+        [node_a, node_b],
+        [net_a, net_b],
+        "pytest-rounds-settled",
         min_matchmaking_time=3.0,
         request_timeout=1.0,
         next_chunk_timeout=10.0,
-        start=True,
     )
-    a = cls(dht=node_a, params=net_a.parameters(), **common)
-    b = cls(dht=node_b, params=net_b.parameters(), **common)
 
     def a_steps() -> tuple[threading.Thread, list[float]]:
         ended: list[float] = []

@@ -89,6 +89,15 @@
    DiLoCo's outer step calls ``_update_global_epoch`` after a fetch that found the swarm ready. In a DiLoCo
    test with the demo's timeouts, 2 of 11 rounds took 15 s so (one peer "alone", the other "local").
    :func:`never_cancel_rounds` drops the used control before hivemind looks at it, so a fresh round starts.
+11. **A groupmate that never learnt of the group is met in the next gradient round, not waited for.** After
+   item 8 the peers that ran the round go on to their state round, while the groupmate that never learnt of
+   it still looks for a gradient group: each waits for the other in a different averager until
+   ``averaging_timeout`` (in a scaling benchmark run: 14.4 s in gradient matchmaking on one peer, 12.9 s in
+   the state round on the other). The gradient averagers built here name such groupmates (they answered
+   ``BAD_GROUP_ID``) in the round's result, a :class:`Gathered` without them, and
+   :func:`meet_strangers_next_round` makes the peer skip that epoch's state round: it computes the next
+   epoch's samples and joins the gradient group in which the stranger still waits, whose state round then
+   brings both to one epoch and the same parameters (item 9).
 
 The subclasses keep hivemind's class names: the p2p handlers' names are built from the class name, and must
 match those of other peers.
@@ -141,13 +150,43 @@ async def _rpc_aggregate_part(self: Any, stream: Any, context: Any) -> Any:
 
 async def _communicate_with_peer(self: Any, peer_id: Any) -> None:
     """hivemind's ``AllReduceRunner._communicate_with_peer``; a groupmate whose reducer failed before it sent
-    a single part is dropped as a sender too (item 8), instead of being awaited for ``sender_timeout``."""
+    a single part is dropped as a sender too (item 8), instead of being awaited for ``sender_timeout``. One
+    that answered ``BAD_GROUP_ID`` (hivemind's allreduce.py raises "<peer> sent BAD_GROUP_ID") never learnt
+    of the group: it is named a stranger (item 11)."""
     try:
         await _HIVEMIND["communicate_with_peer"](self, peer_id)
-    except Exception:
+    except Exception as exc:
         if peer_id in self.sender_peer_ids and peer_id not in self.active_senders:
+            if str(exc).endswith("sent BAD_GROUP_ID"):
+                self.__dict__.setdefault("_swarm_strangers", set()).add(peer_id)
             await self._ban_sender(peer_id)
         raise
+
+
+class Gathered(dict):
+    """What an averaging round gathered, by peer, without the groupmates that never learnt of the group;
+    ``strangers`` names those (item 11). Travels from the averager process to the peer's (pickled)."""
+
+    strangers: frozenset = frozenset()
+
+    @classmethod
+    def without(cls, gathered: dict, strangers: Any) -> Gathered:
+        out = cls((peer, data) for peer, data in gathered.items() if peer not in strangers)
+        out.strangers = frozenset(strangers)
+        return out
+
+
+class _NamesStrangers:
+    """Mixin for hivemind's gradient averagers: item 11 of the module docstring. Runs in the averager
+    process."""
+
+    async def _aggregate_with_group(self, group_info: Any, *args: Any, **kwargs: Any) -> Any:
+        gathered = await super()._aggregate_with_group(group_info, *args, **kwargs)
+        # the round's runner stays registered until this returns (averager.py, _register_allreduce_group)
+        future = self._running_groups.get(group_info.group_id)
+        runner = future.result() if future is not None and future.done() else None
+        strangers = getattr(runner, "_swarm_strangers", ())
+        return Gathered.without(gathered, strangers) if strangers else gathered
 
 
 _HIVEMIND: dict[str, Any] = {}
@@ -443,6 +482,35 @@ def never_cancel_rounds(opt: Any) -> None:
     opt._begin_averaging_gradients = begin_without_cancelling
 
 
+def meet_strangers_next_round(opt: Any, on_skip: Any = None) -> None:
+    """Item 11 of the module docstring, on one ``hivemind.Optimizer`` instance: after a gradient round whose
+    result names strangers, that epoch's state round is skipped. ``on_skip(epoch, strangers)`` is told."""
+    average, state_step = opt._average_gradients_and_load_into_optimizer, opt.state_averager.step
+    pending: list[frozenset] = []
+
+    def average_noting_strangers(control: Any) -> Any:
+        pending.clear()
+        try:
+            return average(control)
+        finally:
+            if control is not None and control.done() and not control.cancelled() and not control.exception():
+                strangers = getattr(control.result(), "strangers", None)
+                if strangers:
+                    pending.append(strangers)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        if pending and kwargs.get("increment_epoch"):
+            strangers = pending.pop()
+            if kwargs.get("averaging_round") and kwargs.get("averaging_control") is None:
+                kwargs.update(averaging_round=False, averaging_opts=None)
+                if on_skip is not None:
+                    on_skip(opt.local_epoch + 1, strangers)
+        return state_step(*args, **kwargs)
+
+    opt._average_gradients_and_load_into_optimizer = average_noting_strangers
+    opt.state_averager.step = step
+
+
 def screen_rounds(opt: Any, screen: Any, on_rejected: Any) -> None:
     """Item 7 of the module docstring, on one ``hivemind.Optimizer`` built by this module's averagers.
     ``on_rejected(kind, reason, samples)`` is called for each rejected round (kind "gradient" or "state")."""
@@ -540,7 +608,7 @@ def keeping_local_gradients(base: type) -> type:
         _KeepsLocalGradients._swarm_init(self)
         base.__init__(self, *args, **kwargs)
 
-    bases = (_KeepsLocalGradients, _PacksParts, base)
+    bases = (_KeepsLocalGradients, _NamesStrangers, _PacksParts, base)
     return type(base.__name__, bases, {"__init__": __init__, "__module__": __name__})
 
 

@@ -18,6 +18,11 @@ list of ``kind@epoch`` or ``kind@epochxcount`` items, e.g. ``kill:allreduce@5`` 
   is for). Only 10,000 times too large, AdamW would barely notice: its update does not depend on the
   gradient's scale (measured: a swarm with such a peer and no screen went on from val acc 0.66 to 0.89).
 - ``nan_params@E``: the parameters turn NaN right after the averaging that ends epoch E.
+- ``abandon:join@E``: from global epoch E, the first time the gradient averager asks a leader to take it
+  into a group, it gives up before the answer, as a follower whose process is starved for longer than
+  ``request_timeout`` does (the leader has taken it in nonetheless; swarm/averagers.py items 8 and 11).
+  Once; the peer lives on. Only a follower asks, so it fires at the first round from E in which this peer
+  joins another's group.
 - ``kill:rank@E`` (``swarm-peer local`` only): the last rank SIGKILLs itself when the run reaches global
   epoch E, on torchrun's first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0), as a lost machine would.
 
@@ -43,8 +48,9 @@ KILL_KINDS = ("kill:accumulating", "kill:matchmaking", "kill:allreduce")
 GRAD_KINDS = ("nan_grad", "inf_grad", "big_grad")
 BIG_GRAD_SCALE = -1e4
 LOCAL_KILL = "kill:rank"  # swarm-peer local: the last rank SIGKILLs itself at global epoch E (first attempt)
-KINDS = (*KILL_KINDS, *GRAD_KINDS, "nan_params", LOCAL_KILL)
-_ARMED_NONE, _ARMED_MATCHMAKING, _ARMED_ALLREDUCE = 0, 1, 2
+ABANDON_JOIN = "abandon:join"
+KINDS = (*KILL_KINDS, *GRAD_KINDS, "nan_params", ABANDON_JOIN, LOCAL_KILL)
+_ARMED_NONE, _ARMED_MATCHMAKING, _ARMED_ALLREDUCE, _ARMED_ABANDON, _ABANDONED = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -106,7 +112,7 @@ class FaultInjector:
     def grad_averager_factory(self, base: type, **kwargs: Any) -> Any:
         """The gradient averager class ``base`` for hivemind.Optimizer, with the kill hooks if any are asked
         for."""
-        if any(f.kind in ("kill:matchmaking", "kill:allreduce") for f in self.faults):
+        if any(f.kind in ("kill:matchmaking", "kill:allreduce", ABANDON_JOIN) for f in self.faults):
             return partial(_make_faulty_averager(base), armed=self.armed, **kwargs)
         return partial(base, **kwargs)
 
@@ -123,6 +129,8 @@ class FaultInjector:
                 self.armed.value = _ARMED_MATCHMAKING
             elif fault.kind == "kill:allreduce":
                 self.armed.value = _ARMED_ALLREDUCE
+            elif fault.kind == ABANDON_JOIN and self.armed.value == _ARMED_NONE:
+                self.armed.value = _ARMED_ABANDON  # the averager process sets _ABANDONED once it has
 
     def corrupt_gradients(self, module: torch.nn.Module, epoch: int) -> bool:
         """Turn this step's gradients NaN, Inf or outsized if a gradient fault is due; True if it did."""
@@ -176,6 +184,12 @@ def _make_faulty_averager(base: type) -> type:
         async def _step(self, *, step: StepControl, future_for_init: Any) -> Any:
             if self._fault_armed.value == _ARMED_MATCHMAKING:
                 asyncio.get_event_loop().create_task(self._kill_in_matchmaking(step))
+            elif self._fault_armed.value == _ARMED_ABANDON and "_request_join_group" not in vars(
+                self._matchmaking
+            ):
+                self._matchmaking._request_join_group = partial(
+                    _abandon_first_join, self._matchmaking, self._matchmaking._request_join_group, self
+                )
             return await super()._step(step=step, future_for_init=future_for_init)
 
         async def _kill_in_matchmaking(self, step: StepControl) -> None:
@@ -198,3 +212,28 @@ def _make_faulty_averager(base: type) -> type:
             self._alpha_value = value
 
     return GradientAverager
+
+
+async def _abandon_first_join(matchmaking: Any, original: Any, averager: Any, leader: Any) -> Any:
+    """hivemind's ``Matchmaking._request_join_group``, except when the ``abandon:join`` fault is armed: then
+    the request is sent, its stream kept open and never read, and the follower looks on as if the leader had
+    not answered within ``request_timeout``. Runs in the gradient averager's process."""
+    if averager._fault_armed.value != _ARMED_ABANDON:
+        return await original(leader)
+    from hivemind.proto import averaging_pb2
+
+    averager._fault_armed.value = _ABANDONED
+    stub = matchmaking._servicer_type.get_stub(matchmaking._p2p, leader, namespace=matchmaking._prefix)
+    stream = await stub.rpc_join_group(
+        averaging_pb2.JoinRequest(
+            schema_hash=matchmaking.schema_hash,
+            expiration=matchmaking.get_request_expiration_time(),
+            client_mode=matchmaking.client_mode,
+            gather=matchmaking.step_control.data_for_gather,
+            group_key=matchmaking.group_key_manager.current_key,
+        )
+    )
+    averager._abandoned_stream = stream  # kept open: the answer is never read
+    print("FAULT INJECTED: gave up on a join request before the leader's answer (abandon:join)", flush=True)
+    await asyncio.sleep(matchmaking.request_timeout)  # the starved follower's wait
+    return None

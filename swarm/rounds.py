@@ -12,8 +12,10 @@ A round ends in the local step at which the swarm has ``target_batch_size`` samp
 
 ``outcome`` says what the update used: ``averaged`` (the group's average, ``group`` peers), ``local`` (the
 round failed; this peer's own gradient of the round, see swarm/averagers.py) or ``alone`` (no other peer).
-``rejected`` lists the averaged results this peer's screen refused in the round (``gradient``, ``state``;
-see swarm/screen.py): a rejected gradient round also steps on this peer's own gradient.
+``strangers`` counts the groupmates that never learnt of this peer's gradient group (swarm/averagers.py item
+11: the state round of that epoch is skipped). ``rejected`` lists the averaged results this peer's screen
+refused in the round (``gradient``, ``state``; see swarm/screen.py): a rejected gradient round also steps on
+this peer's own gradient.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class RoundClock:
 
     def _reset(self) -> None:
         self.parts = dict.fromkeys(PARTS, 0.0)
-        self.outcome, self.group = "alone", 1
+        self.outcome, self.group, self.strangers = "alone", 1, 0
         self.rejected: list[str] = []
 
     # ---- wrappers ---------------------------------------------------------------------------------------
@@ -83,6 +85,7 @@ class RoundClock:
                     self.outcome = "local"
                 elif control is not None and control.done() and control.exception() is None:
                     self.outcome, self.group = "averaged", len(control.result())
+                    self.strangers = len(getattr(control.result(), "strangers", ()))
 
         return wrapped
 
@@ -119,6 +122,7 @@ class RoundClock:
             "other": round(max(0.0, end_seconds - sum(self.parts.values())), 4),
             "outcome": self.outcome,
             "group": self.group,
+            "strangers": self.strangers,
             "rejected": self.rejected,
         }
         self.rounds.append(record)
@@ -136,6 +140,7 @@ class RoundClock:
         for outcome in ("averaged", "local", "alone"):
             out[outcome] = sum(r["outcome"] == outcome for r in rounds)
         out["rejected"] = sum(bool(r.get("rejected")) for r in rounds)
+        out["met_strangers"] = sum(r.get("strangers", 0) > 0 for r in rounds)
         return out
 
     def close(self) -> None:

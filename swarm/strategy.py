@@ -310,6 +310,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         averagers.throttle_progress_reports(self.hivemind_opt.tracker, self.report_every)
         averagers.screen_rounds(self.hivemind_opt, self.screen, self._on_rejected_round)
         self.clock = RoundClock(self.hivemind_opt, swarm_optimizer)
+        # after the clock: a skipped state round is not timed as one
+        averagers.meet_strangers_next_round(self.hivemind_opt, self._on_strangers)
         # after the guard's and the clock's hooks: the guard's rollback happens under the lock too
         self._update_hooks = averagers.lock_updates(self.hivemind_opt.state_averager, swarm_optimizer)
         if hasattr(self.hivemind_opt.grad_averager, "on_local_fallback"):
@@ -418,6 +420,14 @@ class HivemindStrategy(SingleDeviceStrategy):
             self.local_epoch + 1,
             samples,
             self.local_fallback_steps,
+        )
+
+    def _on_strangers(self, epoch: int, strangers: frozenset) -> None:
+        log.info(
+            "%d groupmate(s) of the gradient round toward global epoch %d never learnt of the group; this "
+            "peer skips the epoch's state round and meets them in the next gradient round",
+            len(strangers),
+            epoch,
         )
 
     def _on_rejected_round(self, kind: str, reason: str, samples: int) -> None:

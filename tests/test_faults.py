@@ -138,6 +138,39 @@ def test_faulty_peer_never_shares_nonfinite_numbers_and_a_mismatched_newcomer_is
 VAL_IMAGES = 359  # the demo's validation split of the digits set
 
 
+def test_a_groupmate_that_never_learnt_of_the_group_is_met_in_the_next_round(peers, tmp_path):
+    """A follower gives up on its leader before the answer (``abandon:join``, as a starved process does),
+    while the leader has taken it in (swarm/averagers.py items 8 and 11). The leader drops it from the
+    all-reduce within ``request_timeout``, skips that epoch's state round and meets it in the next gradient
+    round, where the follower still waits. Before item 11 the two waited for each other in different
+    averagers (the leader in its state round, the follower in gradient matchmaking) until the
+    ``averaging_timeout``, here 30 s: no round may come near it. Afterwards both hold the same parameters."""
+    run = "pytest-stranger"
+    _, address = _bootstrap(peers, run, tmp_path)
+    common = ("--max-epochs", "100000", "--initial-peers", address, "--averaging-timeout", "30")
+    steady = _join(peers, "steady", run, tmp_path, *common, seed=1)
+    steady.wait_for(r"\| epoch \d+ \|", timeout=180)
+    starved = _join(peers, "starved", run, tmp_path, *common, "--inject-fault", "abandon:join@+2", seed=2)
+    starved.wait_for("FAULT INJECTED: gave up on a join request", timeout=240)
+    fired_at = time.time()
+    later = max(steady.epoch(), starved.epoch()) + 6
+    for p in (steady, starved):
+        _wait_epoch(p, later, timeout=120)
+    for p in (steady, starved):
+        assert p.stop(grace=60) == 0, f"{p.name}:\n{p.output()[-4000:]}"
+
+    leader, follower = read_summary(tmp_path, run, "steady"), read_summary(tmp_path, run, "starved")
+    met = [r for r in leader["rounds"] if r["strangers"]]
+    slowest = {s["peer_name"]: max(s["rounds"], key=lambda r: r["end"]) for s in (leader, follower)}
+    print(f"\nrounds that met a stranger: {met}; each peer's slowest round: {slowest}")
+    assert len(met) == 1 and met[0]["state"] == 0.0, met  # named once, and that epoch's state round skipped
+    assert "meets them in the next gradient round" in steady.output()
+    for name, r in slowest.items():  # a stall lasts the averaging_timeout (30 s); meeting again takes ~2 s
+        assert r["end"] < 10.0, (name, r)
+    common_epochs, equal = synced_epochs(leader, follower, rel=1e-6, between=(fired_at, time.time()))
+    assert len(common_epochs) >= 3 and set(common_epochs[-3:]) & set(equal), (common_epochs, equal)
+
+
 def _val_accs(peer: PeerProcess) -> list[tuple[int, float]]:
     """(global epoch, val acc) of each of the peer's validation lines so far."""
     found = (re.search(r"Validation at global epoch (\d+): .* acc ([\d.]+),", line) for line in peer.lines)

@@ -208,7 +208,9 @@ def test_a_groupmate_that_never_joins_is_dropped_and_the_round_ends(dhts, monkey
         start=True,
     )
     # 300 k numbers: more than one part, so each peer reduces some of them (hivemind/averaging/partition.py)
-    leader = DecentralizedAverager([torch.ones(300_000)], dht=leader_node, **opts)
+    # the leader names groupmates that never learnt of its group, as the swarm's gradient averagers do
+    namer = type("DecentralizedAverager", (averagers._NamesStrangers, DecentralizedAverager), {})
+    leader = namer([torch.ones(300_000)], dht=leader_node, **opts)
     # the follower's averager process is forked with the patched class; this process is restored at once
     monkeypatch.setattr(Matchmaking, "_request_join_group", _abandoning_join_request([]))
     follower = DecentralizedAverager([torch.zeros(300_000)], dht=follower_node, **opts)
@@ -220,13 +222,16 @@ def test_a_groupmate_that_never_joins_is_dropped_and_the_round_ends(dhts, monkey
         time.sleep(0.3)  # the leader declared first, so the follower asks it
         lagging = follower.step(wait=False, timeout=MATCHMAKING + 10)
         began = time.perf_counter()
-        assert first.result(timeout=MATCHMAKING + 15) is not None
+        gathered = first.result(timeout=MATCHMAKING + 15)
         spent = time.perf_counter() - began
         assert spent < MATCHMAKING - 10, spent  # before sender_timeout: the follower was dropped, not awaited
+        # the result names the follower a stranger, and holds only the peers that took part
+        assert gathered.strangers == {follower.peer_id} and list(gathered) == [leader.peer_id], gathered
         with leader.get_tensors() as (got,):
             assert torch.equal(got, torch.ones(300_000))  # nothing averaged in: the follower sent nothing
         second = leader.step(wait=False, timeout=MATCHMAKING + 10)
-        assert len(second.result(timeout=MATCHMAKING + 15)) == 2
+        gathered = second.result(timeout=MATCHMAKING + 15)
+        assert len(gathered) == 2 and not getattr(gathered, "strangers", ()), gathered
         assert len(lagging.result(timeout=MATCHMAKING + 15)) == 2
         for averager in (leader, follower):
             with averager.get_tensors() as (got,):

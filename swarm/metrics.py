@@ -7,7 +7,7 @@ write its subkey, and SchemaValidator rejects records of the wrong shape before 
 
 import hashlib
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
 from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictInt, confloat, conint, constr
@@ -196,7 +196,10 @@ def publish(dht: "hivemind.DHT", run_id: str, public_key: bytes, record: LocalMe
 def subkey_entries(dht: "hivemind.DHT", key: str, timeout: float = 10.0) -> dict:
     """{subkey: entry} stored under ``key`` ({} if none). Waits at most ``timeout`` seconds (raises
     TimeoutError), so a dead DHT process cannot hang the caller."""
-    result = dht.get(key, latest=True, return_future=True).result(timeout=timeout)
+    return _entries(dht.get(key, latest=True, return_future=True).result(timeout=timeout))
+
+
+def _entries(result: Any) -> dict:
     if result is None or not isinstance(result.value, dict):
         return {}
     return result.value
@@ -209,9 +212,21 @@ def fetch(
 
     Waits at most ``timeout`` seconds (raises TimeoutError), so a dead DHT process cannot hang the caller.
     """
+    return parse_fetched(request(dht, run_id).result(timeout=timeout), warned)
+
+
+def request(dht: "hivemind.DHT", run_id: str) -> Any:
+    """Start reading the records of ``run_id``; returns hivemind's future, for :func:`parse_fetched`. A
+    peer reads them once per global epoch, and waiting for the answer cost its training about 50 ms."""
+    return dht.get(metrics_key(run_id), latest=True, return_future=True)
+
+
+def parse_fetched(result: Any, warned: set | None = None) -> dict[bytes, LocalMetrics]:
+    """The records in what :func:`request`'s future returned; malformed ones are skipped with one warning
+    per subkey."""
     warned = set() if warned is None else warned
     out: dict[bytes, LocalMetrics] = {}
-    for subkey, entry in subkey_entries(dht, metrics_key(run_id), timeout).items():
+    for subkey, entry in _entries(result).items():
         try:
             out[subkey] = LocalMetrics.parse_obj(entry.value)
         except Exception as exc:  # a record from a buggy or hostile peer must not stop us

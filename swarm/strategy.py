@@ -151,7 +151,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         close_groups_early: bool = True,
-        report_every: float = 0.0,
+        report_every: float = 0.25,
         reject_factor: float = 10.0,
         **optimizer_kwargs: Any,
     ) -> None:

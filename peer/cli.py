@@ -219,6 +219,13 @@ def training_options(func: Callable) -> Callable:
             help="Average the parameters (and in DiLoCo the optimizers' state) every N global epochs [1].",
         ),
         click.option(
+            "--min-peers",
+            type=click.IntRange(1),
+            default=None,
+            help="Before the first step, wait until this many training peers (this one included) are in "
+            "the swarm [1].",
+        ),
+        click.option(
             "--reject-factor",
             type=float,
             default=None,

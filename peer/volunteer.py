@@ -22,7 +22,7 @@ from swarm.checkpoint import check_compatible, load_checkpoint, load_weights
 from swarm.config import ExperimentConfig, save_config
 from swarm.data import build_datasets, peer_seed, train_loader, val_loader
 from swarm.dht import check_addresses, start_dht, stop_dht
-from swarm.fingerprint import ConfigPublisher, check_against_swarm, join_line_for
+from swarm.fingerprint import ConfigPublisher, check_against_swarm, join_line_for, wait_for_peers
 from swarm.layout import volunteer_dir
 from swarm.log import quiet_libraries
 from swarm.model import SwarmClassifier, autocast_dtype, evaluate, param_checksum, resolve_device
@@ -68,6 +68,12 @@ class SwarmReporter(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.stop.install()  # Lightning wraps SIGTERM for its own use; this role decides how to stop
+        if self.cfg.swarm.min_peers > 1 and self.publisher is not None:
+            # the optimizer and its averagers are up (Lightning set the strategy up): say so, and wait
+            self.publisher.mark_ready()
+            seen = wait_for_peers(self.publisher, self.cfg.swarm.min_peers, self.stop.event)
+            if not self.stop.event.is_set():
+                log.info("%d training peers of the run are ready; starting", seen)
         self.started = time.time()
         self.gpu = GpuSampler(next(module.parameters()).device).start()  # NVML; nothing on a CPU
         self.epoch = self.strategy.local_epoch

@@ -165,6 +165,10 @@ class SwarmConfig:
     """Seconds between two of this peer's progress records in the DHT within a global epoch (a new epoch and
     its first samples go at once); 0 stores one after every step, as hivemind does. 0.25 halves the DHT
     process's CPU on a 2-core machine (27 % of a core against 14 %, README's Performance section)."""
+    min_peers: int = 1
+    """Before its first training step, a peer waits until this many training peers of the run (itself
+    included) have published their settings in the DHT. 1: start at once. Peers that start together then
+    average from their first global epoch on, instead of the first one running ahead alone (benchmarks)."""
     reject_factor: float = 10.0
     """Reject an averaged gradient longer than this many times this peer's own (or the median of recent
     rounds), and averaged parameters or optimizer statistics this many times larger than this peer's own:
@@ -215,6 +219,7 @@ class SwarmConfig:
         )
         _check(self.linger >= 0, "linger", self.linger, "seconds >= 0")
         _check(self.report_every >= 0, "report_every", self.report_every, "seconds >= 0")
+        _check(self.min_peers >= 1, "min_peers", self.min_peers, "an integer >= 1")
         _check(
             self.reject_factor == 0 or self.reject_factor > 1,
             "reject_factor",

@@ -15,7 +15,7 @@ import hashlib
 import json
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from swarm.metrics import ConfigRecord, config_key, subkey_entries
 
@@ -142,16 +142,53 @@ def check_against_swarm(
     return len(records)
 
 
+def wait_for_peers(
+    publisher: ConfigPublisher, count: int, stop: Any, poll: float = 0.5, say_every: float = 15.0
+) -> int:
+    """Wait until ``count`` training peers of the run are ready for their first step (their config records
+    say so; this one's too, once ``publisher`` has stored it, and it keeps it alive meanwhile), or ``stop``
+    (an Event) is set; returns how many were seen."""
+    dht, run_id = publisher.dht, publisher.run_id
+    seen, said = 0, -float("inf")
+    while not stop.is_set():
+        publisher.maybe_publish()
+        try:
+            seen = sum(record.ready for record in fetch_records(dht, run_id))
+        except TimeoutError:
+            seen = 0
+        if seen >= count:
+            break
+        if time.monotonic() - said >= say_every:
+            said = time.monotonic()
+            log.info(
+                "Waiting for %d training peer(s) of run %r before the first step (--min-peers %d); %d "
+                "so far, this one included",
+                count - seen,
+                run_id,
+                count,
+                seen,
+            )
+        stop.wait(poll)
+    return seen
+
+
 class ConfigPublisher:
     """Keeps this peer's config record alive in the DHT: stores it now and again every ``every`` seconds."""
 
     def __init__(self, dht: hivemind.DHT, cfg: ExperimentConfig, public_key: bytes, peer_name: str) -> None:
-        self.dht, self.key, self.public_key = dht, config_key(cfg.swarm.run_id), public_key
+        self.dht, self.run_id, self.public_key = dht, cfg.swarm.run_id, public_key
+        self.key = config_key(self.run_id)
         self.record = make_record(cfg, peer_name)
         # short-lived, so that a swarm restarted with new settings is not refused by its predecessor for long
         self.every = cfg.swarm.metrics_expiration / 2
         self.expiration = 1.5 * cfg.swarm.metrics_expiration
         self.next_at = 0.0
+
+    def mark_ready(self) -> None:
+        """From now on the record says that this peer is ready for its first step; stored at once."""
+        self.record = self.record.copy(update={"ready": True})
+        self.next_at = 0.0
+        self.maybe_publish()
 
     def maybe_publish(self) -> None:
         """Store the record if it is due (cheap to call after every local step)."""

@@ -79,6 +79,7 @@ class ConfigRecord(BaseModel):
     fingerprint: constr(max_length=64, strict=True)
     fields: dict[constr(max_length=64, strict=True), constr(max_length=200, strict=True)]
     peer_name: constr(max_length=64, strict=True)
+    ready: StrictBool = False  # its optimizer and averagers are up; its first step is next (--min-peers)
 
 
 def members_key(run_id: str) -> str:

@@ -125,13 +125,16 @@ def test_wan_links_are_shaped_and_peers_train_across_them(tmp_path):
         assert _send_through(lab, 4.0) >= 1.55
     bench = Bench(out=tmp_path / "bench.jsonl", work=tmp_path / "w")
     bench.work.mkdir()
-    wan.run(bench, Options(wan_mbit=20), modes=("int8",), samples=4096)  # 16 rounds: the first few run alone
+    # 16 rounds; the peers start together (--min-peers 2), and the first few run alone until their progress
+    # trackers see each other (about a second)
+    wan.run(bench, Options(wan_mbit=20), modes=("int8",), samples=4096)
     (row,) = bench.rows
     assert row["scenario"] == "wan" and row["mode"] == "int8" and row["mbit_per_second"] == 20
     assert row["global_epochs"] == 16, row
     # the peers reached each other across the shaped links: they averaged, or one downloaded the other's
-    # state (with 16 epochs of 0.3 s, a peer that comes up 3 s after the other can find it running alone
-    # and only ever catch up by downloads: seen once in a fresh clone, loaded_epoch 3, 0 bytes averaged)
+    # state (without --min-peers, with 16 epochs of 0.3 s, a peer that came up 3 s after the other could find
+    # it running alone and only ever catch up by downloads: loaded_epoch 3, 0 bytes averaged; and twice both
+    # ran all 16 epochs alone, 2 s apart)
     assert row["bytes_sent_per_peer"] > 0 or max(row["loaded_epoch_per_peer"]) > 0, row
     (boot,) = bench.work.glob("bench-wan-int8-*-bootstrap.log")
     assert "--initial-peers /ip4/10.213.0.1/tcp/" in boot.read_text(), (

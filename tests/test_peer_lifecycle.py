@@ -88,6 +88,41 @@ def test_sigterm_and_sigint_leave_cleanly(peers, tmp_path):
     )
 
 
+def test_min_peers_holds_the_first_step_until_the_others_are_there(peers, tmp_path, monkeypatch):
+    """--min-peers 2 on both: the first peer prints its join line, then takes no step until a second
+    training peer is ready too; from then on the two train together. A third, told to leave (SIGTERM) while
+    it waits for more peers than will come, exits 0 at once without having trained."""
+    monkeypatch.setenv("SWARM_LINGER", "0")
+    run = "pytest-min-peers"
+    common = ["join", "--config", "demo", "--run-id", run, "--log-dir", str(tmp_path), "--threads", "1"]
+    common += ["--host-maddr", "/ip4/127.0.0.1/tcp/0", "--max-epochs", "20", "--log-every", "1"]
+    first = PeerProcess("first", [*common, "--peer-name", "first", "--min-peers", "2"], peers)
+    address = first.join_address(timeout=120)
+    first.wait_for(r"Waiting for 1 training peer\(s\) of run 'pytest-min-peers' before the first step", 60)
+    second_started = time.time()
+    second = PeerProcess(
+        "second", [*common, "--peer-name", "second", "--initial-peers", address, "--min-peers", "2"], peers
+    )
+    for p in (first, second):
+        assert p.wait(timeout=180) == 0, f"{p.name}:\n{p.output()[-4000:]}"
+    assert "2 training peers of the run are ready; starting" in first.output()
+    leader = read_summary(tmp_path, run, "first")
+    # every training window of the first peer (its samples at its rate, up to the epoch's end) began after
+    # the second was launched, and they averaged
+    windows = [h for h in leader["history"] if h["mini_steps"] and h["samples_per_second"]]
+    assert windows and all(
+        h["time"] - h["samples"] / h["samples_per_second"] > second_started for h in windows
+    ), (second_started, leader["history"])
+    assert leader["round_ends"]["averaged"] >= 1, leader["round_ends"]
+
+    third = PeerProcess("third", [*common, "--peer-name", "third", "--min-peers", "5"], peers)
+    third.wait_for(r"Waiting for 4 training peer\(s\)", 120)
+    code, seconds = _signal_group_and_time_exit(third, signal.SIGTERM, limit=10)
+    assert code == 0 and seconds < 10, (code, seconds, third.output()[-3000:])
+    assert "Received SIGTERM before training; leaving the swarm" in third.output()
+    assert "| epoch" not in third.output()
+
+
 def test_unreachable_initial_peer_is_a_clear_error(peers, tmp_path):
     address = f"/ip4/127.0.0.1/tcp/{_free_port()}/p2p/{VALID_PEER_ID}"
     os.environ["SWARM_BOOTSTRAP_TIMEOUT"] = "5"

@@ -114,8 +114,8 @@ def swarm(
     from ``env`` as SWARM_<FIELD> variables); their summaries. Peer i shuffles with seed ``seed * 100 + i``.
     With a ``lab`` (peer/bench/netns.py), the bootstrap runs in its namespace 0 and peer i in namespace i.
 
-    Starting through a bootstrap (a DHT node that does not train) means no trainer runs ahead alone while
-    the others start."""
+    Starting through a bootstrap (a DHT node that does not train), with ``--min-peers``, means no trainer runs
+    ahead alone while the others start."""
     common = ["--config", "demo", "--run-id", run, "--log-dir", str(bench.work)]
 
     def place(i: int) -> tuple[list[str], list[str]]:  # (command prefix, listen address) of process i
@@ -149,6 +149,8 @@ def swarm(
                         "100000",
                         "--log-every",
                         "10",
+                        "--min-peers",
+                        str(peers),
                         *listen,
                         *args,
                     ],

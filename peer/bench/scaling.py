@@ -1,8 +1,9 @@
 """``scaling``: K swarm peers against K-rank DDP (gloo) and one process, all through the real CLI, with the
 demo model, 32 samples per worker and step, and a global batch of 2048 (64 per-step batches): samples/s, the
-ratios, and the time that ends each round (median, and split in summary.json). Then the same swarm with
-hivemind's own matchmaking (groups wait ``matchmaking_time``), then DiLoCo with H local steps over 10 outer
-rounds."""
+ratios, and the time that ends each round (median, and split in summary.json). The demo's config averages
+the parameters every global epoch; the same swarm then runs with them averaged every 10th (the flagship's
+``average_state_every``), then with hivemind's own matchmaking (groups wait ``matchmaking_time``), then DiLoCo
+with H local steps over 10 outer rounds."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def run(bench: Bench, opts: Options, batch: int = 32, per_round: int = 64) -> No
     single = local(bench, f"bench-scaling-{stamp}", "single", 1, shared)
     ddp = local(bench, f"bench-scaling-{stamp}", "ddp", peers, shared)
     grads = swarm(bench, f"bench-scaling-swarm-{stamp}", peers, shared)
+    state10 = swarm(bench, f"bench-scaling-state10-{stamp}", peers, [*shared, "--average-state-every", "10"])
     # the same with hivemind's own matchmaking: a group waits the whole matchmaking_time before it averages
     waiting = swarm(bench, f"bench-scaling-wait-{stamp}", peers, shared, {"SWARM_CLOSE_GROUPS": "0"})
     diloco_target = peers * local_steps * batch
@@ -35,7 +37,12 @@ def run(bench: Bench, opts: Options, batch: int = 32, per_round: int = 64) -> No
          str(diloco_rounds), "--averaging", "diloco", "--local-steps", str(local_steps)],
     )  # fmt: skip
     single_sps, ddp_sps = single["samples_per_second"], ddp["samples_per_second"]
-    runs = (("swarm", grads, target), ("swarm-wait", waiting, target), ("diloco", diloco, diloco_target))
+    runs = (
+        ("swarm", grads, target),
+        ("swarm-state10", state10, target),
+        ("swarm-wait", waiting, target),
+        ("diloco", diloco, diloco_target),
+    )
     for name, sums, tgt in runs:
         sps = sum(peer_rate(s) for s in sums)
         rounds_done = max(rounds(s) for s in sums)
@@ -87,7 +94,10 @@ def line(r: dict[str, Any]) -> str:
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:
-    names = {"swarm-wait": "swarm, groups wait matchmaking_time (hivemind's default)"}
+    names = {
+        "swarm-state10": "swarm, parameters averaged every 10th epoch (the flagship's config)",
+        "swarm-wait": "swarm, groups wait matchmaking_time (hivemind's default)",
+    }
     header = [
         "mode",
         "workers",

@@ -191,8 +191,13 @@ class HivemindStrategy(SingleDeviceStrategy):
             load_state_timeout=load_state_timeout,
             next_chunk_timeout=next_chunk_timeout,
             delay_state_averaging=False,
-            # to the state averager only; peers that average their state take the group's newest epoch
-            averager_opts={"request_timeout": request_timeout, "sync_epoch_when_averaging": True},
+            # to the state averager only; peers that average their state take the group's newest epoch, and
+            # look for their state group for at most twice matchmaking_time (swarm/averagers.py item 12)
+            averager_opts={
+                "request_timeout": request_timeout,
+                "sync_epoch_when_averaging": True,
+                "find_group_within": min(2 * matchmaking_time, averaging_timeout),
+            },
             verbose=verbose,
             **optimizer_kwargs,
         )

@@ -475,6 +475,43 @@ def test_peers_that_average_their_state_leave_the_round_at_one_epoch(dhts):
     assert averagers.sane_epochs({"a": None, "b": 7}, "a") == {}
 
 
+def test_a_state_round_without_its_group_gives_up_after_find_group_within(dhts):
+    """A's state round finds no group: B, whom A counts (target group size 2), never comes, as a stranger
+    stuck elsewhere would not (item 12 of swarm.averagers). The round must fail after ``find_group_within``
+    (4 s), not after the step's 30 s timeout, which stays the wait for a round's result; A's parameters are
+    left as they were, and the next round, which B joins, averages."""
+    node_a, node_b = dhts(2)
+    nets = [torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)]
+    with torch.no_grad():
+        for value, net in zip((1.0, 3.0), nets, strict=True):
+            for p in net.parameters():
+                p.fill_(value)
+    a, b = _state_averagers(
+        [node_a, node_b], nets, "pytest-rounds-bound", min_matchmaking_time=2.0, request_timeout=1.5,
+        find_group_within=4.0,
+    )  # fmt: skip
+    opts = dict(averaging_round=True, averaging_opts=dict(timeout=30.0))
+    try:
+        for averager in (a, b):
+            averagers.set_target_group_size(averager, 2)
+        began = time.perf_counter()
+        a.step(**opts)
+        alone = time.perf_counter() - began
+        assert 3.5 < alone < 15.0, alone  # the deadline of 4 s, not the 30 s timeout
+        assert all(torch.all(p == 1.0) for p in nets[0].parameters())
+        other = threading.Thread(target=b.step, kwargs=opts)
+        other.start()
+        a.step(**opts)
+        other.join(timeout=30)
+        assert not other.is_alive()
+        for net in nets:
+            for p in net.parameters():
+                torch.testing.assert_close(p, torch.full_like(p, 2.0))
+    finally:
+        for averager in (a, b):
+            averager.shutdown()
+
+
 def test_a_state_download_waits_for_the_donors_epoch_step_or_asks_another(dhts):
     """hivemind numbers the new epoch before the update and the state round that make it, so a download
     during A's epoch step would get the new number with a state that is not yet the epoch's. B's download,

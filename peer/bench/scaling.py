@@ -45,6 +45,7 @@ def run(bench: Bench, opts: Options, batch: int = 32, per_round: int = 64) -> No
     )
     for name, sums, tgt in runs:
         sps = sum(peer_rate(s) for s in sums)
+        together = sum(_averaged_rate(s) for s in sums)
         rounds_done = max(rounds(s) for s in sums)
         train = sum(s["train_seconds"] for s in sums) / len(sums)
         ends = sum(s["round_end_seconds"] for s in sums) / len(sums)
@@ -63,6 +64,11 @@ def run(bench: Bench, opts: Options, batch: int = 32, per_round: int = 64) -> No
                 "single_samples_per_second": round(single_sps, 1),
                 "vs_ddp": round(sps / ddp_sps, 3),
                 "vs_k_single": round(sps / (peers * single_sps), 3),
+                # the same over the global epochs whose round averaged (not those a peer stepped alone: the
+                # first second or so, until the progress trackers see each other)
+                "samples_per_second_averaged_rounds": round(together, 1),
+                "vs_ddp_averaged_rounds": round(together / ddp_sps, 3),
+                "alone_rounds_per_peer": [s.get("round_ends", {}).get("alone") for s in sums],
                 "ddp_vs_k_single": round(ddp_sps / (peers * single_sps), 3),
                 # per global epoch and peer: the steps that ended a round (waiting for the swarm, matchmaking,
                 # all-reduce, update) against all the rest (forward, backward, local optimizer steps)
@@ -87,7 +93,8 @@ def line(r: dict[str, Any]) -> str:
     return (
         f"scaling {r['mode']:>13} x{r['workers']}: {r['samples_per_second']:.1f} samples/s; DDP "
         f"{r['ddp_samples_per_second']:.1f}, one process {r['single_samples_per_second']:.1f}; "
-        f"vs DDP {r['vs_ddp']:.2f}x, vs {r['workers']} x single {r['vs_k_single']:.2f}x; per round "
+        f"vs DDP {r['vs_ddp']:.2f}x ({r['vs_ddp_averaged_rounds']:.2f}x over averaged rounds), vs "
+        f"{r['workers']} x single {r['vs_k_single']:.2f}x; per round "
         f"{r['seconds_per_round']:.2f} s of which {r['round_end_seconds_per_round']:.2f} s ending it (median "
         f"{fmt(r['round_end_seconds_median'], 2)} s)"
     )
@@ -106,6 +113,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
         "DDP samples/s",
         "one process samples/s",
         "vs DDP",
+        "vs DDP, averaged rounds only",
         "vs K x one",
         "s per round",
         "of which ending the round",
@@ -123,12 +131,24 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
             r["ddp_samples_per_second"],
             r["single_samples_per_second"],
             f"{r['vs_ddp']:.2f}",
+            f"{r['vs_ddp_averaged_rounds']:.2f}",
             f"{r['vs_k_single']:.2f}",
             f"{r['seconds_per_round']:.2f}",
             f"{r['round_end_seconds_per_round']:.2f}",
             fmt(r["round_end_seconds_median"], 2),
         ],  # fmt: skip
     )
+
+
+def _averaged_rate(s: dict[str, Any]) -> float:
+    """A peer's samples/s over the global epochs whose round averaged with others (0 if none)."""
+    done = [
+        h
+        for h in s["history"]
+        if (h.get("round") or {}).get("outcome") == "averaged" and h["mini_steps"] and h["samples_per_second"]
+    ]
+    seconds = sum(h["samples"] / h["samples_per_second"] for h in done)
+    return sum(h["samples"] for h in done) / seconds if seconds else 0.0
 
 
 def _median_end(sums: list[dict[str, Any]]) -> float | None:

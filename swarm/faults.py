@@ -214,17 +214,13 @@ def _make_faulty_averager(base: type) -> type:
     return GradientAverager
 
 
-async def _abandon_first_join(matchmaking: Any, original: Any, averager: Any, leader: Any) -> Any:
-    """hivemind's ``Matchmaking._request_join_group``, except when the ``abandon:join`` fault is armed: then
-    the request is sent, its stream kept open and never read, and the follower looks on as if the leader had
-    not answered within ``request_timeout``. Runs in the gradient averager's process."""
-    if averager._fault_armed.value != _ARMED_ABANDON:
-        return await original(leader)
+async def send_join_request(matchmaking: Any, leader: Any) -> Any:
+    """Ask ``leader`` to take this averager (hivemind's ``Matchmaking``) into its group, as
+    ``_request_join_group`` does; returns the open stream of the leader's answers, unread."""
     from hivemind.proto import averaging_pb2
 
-    averager._fault_armed.value = _ABANDONED
     stub = matchmaking._servicer_type.get_stub(matchmaking._p2p, leader, namespace=matchmaking._prefix)
-    stream = await stub.rpc_join_group(
+    return await stub.rpc_join_group(
         averaging_pb2.JoinRequest(
             schema_hash=matchmaking.schema_hash,
             expiration=matchmaking.get_request_expiration_time(),
@@ -233,7 +229,16 @@ async def _abandon_first_join(matchmaking: Any, original: Any, averager: Any, le
             group_key=matchmaking.group_key_manager.current_key,
         )
     )
-    averager._abandoned_stream = stream  # kept open: the answer is never read
+
+
+async def _abandon_first_join(matchmaking: Any, original: Any, averager: Any, leader: Any) -> Any:
+    """hivemind's ``Matchmaking._request_join_group``, except when the ``abandon:join`` fault is armed: then
+    the request is sent, its stream kept open and never read, and the follower looks on as if the leader had
+    not answered within ``request_timeout``. Runs in the gradient averager's process."""
+    if averager._fault_armed.value != _ARMED_ABANDON:
+        return await original(leader)
+    averager._fault_armed.value = _ABANDONED
+    averager._abandoned_stream = await send_join_request(matchmaking, leader)  # kept open, never read
     print("FAULT INJECTED: gave up on a join request before the leader's answer (abandon:join)", flush=True)
     await asyncio.sleep(matchmaking.request_timeout)  # the starved follower's wait
     return None

@@ -166,7 +166,8 @@ def _abandoning_join_request(abandoned: list):
     take it: the request reaches the leader, but the follower has given up before the answer (request_timeout)
     and looks on. Only the first request of each step is abandoned."""
     from hivemind.averaging.matchmaking import Matchmaking
-    from hivemind.proto import averaging_pb2
+
+    from swarm.faults import send_join_request
 
     original = Matchmaking._request_join_group
 
@@ -174,17 +175,7 @@ def _abandoning_join_request(abandoned: list):
         if id(self.step_control) in abandoned:
             return await original(self, leader)
         abandoned.append(id(self.step_control))
-        stub = self._servicer_type.get_stub(self._p2p, leader, namespace=self._prefix)
-        stream = await stub.rpc_join_group(
-            averaging_pb2.JoinRequest(
-                schema_hash=self.schema_hash,
-                expiration=self.get_request_expiration_time(),
-                client_mode=self.client_mode,
-                gather=self.step_control.data_for_gather,
-                group_key=self.group_key_manager.current_key,
-            )
-        )
-        abandoned.append(stream)  # kept open: the answer is never read
+        abandoned.append(await send_join_request(self, leader))  # kept open: the answer is never read
         return None
 
     return request

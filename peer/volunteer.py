@@ -74,6 +74,7 @@ class SwarmReporter(L.Callback):
             seen = wait_for_peers(self.publisher, self.cfg.swarm.min_peers, self.stop.event)
             if not self.stop.event.is_set():
                 log.info("%d training peers of the run are ready; starting", seen)
+                self.strategy.see_peers_soon(self.cfg.swarm.min_peers)
         self.started = time.time()
         self.gpu = GpuSampler(next(module.parameters()).device).start()  # NVML; nothing on a CPU
         self.epoch = self.strategy.local_epoch

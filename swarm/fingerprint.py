@@ -89,14 +89,20 @@ def make_record(cfg: ExperimentConfig, peer_name: str) -> ConfigRecord:
     return ConfigRecord(fingerprint=fingerprint(fields), fields=fields, peer_name=peer_name[:64])
 
 
-def fetch_records(dht: hivemind.DHT, run_id: str, timeout: float = 10.0) -> list[ConfigRecord]:
-    """The live peers' config records; malformed ones are skipped (the validators dropped forgeries)."""
+def fetch_records(
+    dht: hivemind.DHT, run_id: str, timeout: float = 10.0, warned: set | None = None
+) -> list[ConfigRecord]:
+    """The live peers' config records; malformed ones are skipped (the validators dropped forgeries), with
+    one warning per subkey in ``warned`` (a caller that polls passes the same set every time)."""
+    warned = set() if warned is None else warned
     records = []
-    for entry in subkey_entries(dht, config_key(run_id), timeout).values():
+    for subkey, entry in subkey_entries(dht, config_key(run_id), timeout).items():
         try:
             records.append(ConfigRecord.parse_obj(entry.value))
         except Exception as exc:  # a buggy or hostile record must not decide whether we may join
-            log.warning("Ignoring a malformed config record: %s", str(exc).splitlines()[0])
+            if subkey not in warned:
+                warned.add(subkey)
+                log.warning("Ignoring a malformed config record: %s", str(exc).splitlines()[0])
     return records
 
 
@@ -149,11 +155,11 @@ def wait_for_peers(
     say so; this one's too, once ``publisher`` has stored it, and it keeps it alive meanwhile), or ``stop``
     (an Event) is set; returns how many were seen."""
     dht, run_id = publisher.dht, publisher.run_id
-    seen, said = 0, -float("inf")
+    seen, said, warned = 0, -float("inf"), set()
     while not stop.is_set():
         publisher.maybe_publish()
         try:
-            seen = sum(record.ready for record in fetch_records(dht, run_id))
+            seen = sum(record.ready for record in fetch_records(dht, run_id, warned=warned))
         except TimeoutError:
             seen = 0
         if seen >= count:

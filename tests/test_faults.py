@@ -163,7 +163,20 @@ def test_a_groupmate_that_never_learnt_of_the_group_is_met_in_the_next_round(pee
     met = [r for r in leader["rounds"] if r["strangers"]]
     slowest = {s["peer_name"]: max(s["rounds"], key=lambda r: r["end"]) for s in (leader, follower)}
     print(f"\nrounds that met a stranger: {met}; each peer's slowest round: {slowest}")
-    assert len(met) == 1 and met[0]["state"] == 0.0, met  # named once, and that epoch's state round skipped
+    # The fault names the follower once. A follower starved for longer than request_timeout (1.5 s in the
+    # demo config) does the same thing on its own on a busy machine: a fresh-clone suite saw a second such
+    # round 7 epochs after the fault (2026-11-24). Every one of them must skip its state round and be
+    # followed by a round that the follower averaged with the leader, which is what item 11 promises.
+    follower_rounds = {r["epoch"]: r for r in follower["rounds"]}
+    assert met, leader["rounds"]
+    for r in met:
+        if r["epoch"] >= max(follower_rounds):
+            continue  # named in the last round before the two were stopped: no next round to look at
+        after = follower_rounds.get(r["epoch"] + 1, {})
+        averaged_next = after.get("outcome") == "averaged" and after.get("group") == 2
+        assert r["state"] == 0.0 and averaged_next, (r, after)
+    epochs = [r["epoch"] for r in met]
+    assert all(b - a > 1 for a, b in zip(epochs, epochs[1:], strict=False)), epochs  # not named twice running
     assert "meets them in the next gradient round" in steady.output()
     for name, r in slowest.items():  # a stall lasts the averaging_timeout (30 s); meeting again takes ~2 s
         assert r["end"] < 10.0, (name, r)

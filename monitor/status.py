@@ -67,10 +67,16 @@ def collect(cfg: ExperimentConfig, timeout: float = 10.0) -> SwarmStatus:
     dht = start_dht(cfg.swarm, validators)
     try:
         status = SwarmStatus(cfg.swarm.run_id, cfg.swarm.initial_peers[0])
-        status.records = sorted(
-            metrics.fetch(dht, cfg.swarm.run_id, timeout=timeout).values(), key=lambda r: r.peer_name
-        )
-        status.progress = metrics.fetch_progress(dht, cfg.swarm.run_id, timeout=timeout)
+        try:
+            status.records = sorted(
+                metrics.fetch(dht, cfg.swarm.run_id, timeout=timeout).values(), key=lambda r: r.peer_name
+            )
+            status.progress = metrics.fetch_progress(dht, cfg.swarm.run_id, timeout=timeout)
+        except TimeoutError:
+            raise SwarmConnectionError(
+                f"the swarm's records did not arrive within {timeout:.0f} s (a busy or distant DHT): run "
+                "status again, or give it longer with --timeout"
+            ) from None
         targets = [r.target_batch_size for r in status.records if r.target_batch_size]
         status.target_batch_size = max(targets) if targets else cfg.swarm.target_batch_size
         verdict = None if cfg.swarm.client_mode else reach.check(dht)

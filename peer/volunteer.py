@@ -73,8 +73,16 @@ class SwarmReporter(L.Callback):
             self.publisher.mark_ready()
             seen = wait_for_peers(self.publisher, self.cfg.swarm.min_peers, self.stop.event)
             if not self.stop.event.is_set():
-                log.info("%d training peers of the run are ready; starting", seen)
-                self.strategy.see_peers_soon(self.cfg.swarm.min_peers)
+                met = self.strategy.meet_peers(self.cfg.swarm.min_peers, self.stop.event)
+                if met < self.cfg.swarm.min_peers and not self.stop.event.is_set():
+                    log.warning(
+                        "%d training peers of the run are ready, but only %d showed their progress within "
+                        "10 s; starting anyway",
+                        seen,
+                        met,
+                    )
+                else:
+                    log.info("%d training peers of the run are ready; starting", seen)
         self.started = time.time()
         self.gpu = GpuSampler(next(module.parameters()).device).start()  # NVML; nothing on a CPU
         self.epoch = self.strategy.local_epoch

@@ -481,32 +481,41 @@ def throttle_progress_reports(tracker: Any, interval: float) -> None:
     previous.set()  # wakes the reporter from its wait on the old event; from its next turn it waits on ours
 
 
-def see_peers_soon(tracker: Any, count: int, within: float = 30.0, every: float = 0.25) -> threading.Thread:
-    """Have a running ``ProgressTracker`` read the swarm's progress every ``every`` seconds until it sees
-    ``count`` peers (this one included), for at most ``within`` seconds; returns the thread that does it.
+def meet_peers(tracker: Any, count: int, stop: Any, within: float = 10.0, every: float = 0.25) -> int:
+    """Before the first step of peers started together (``--min-peers``): store this peer's progress record
+    now and have its running ``ProgressTracker`` read the swarm's progress every ``every`` seconds, until it
+    sees ``count`` peers (this one included), ``stop`` (an Event) is set, or ``within`` seconds pass. Returns
+    how many peers the tracker sees.
 
-    A tracker that found no peer reads again only after ``default_refresh_period``, 3 s
-    (progress_tracker.py:291), and a peer stores its first progress record only once it has samples
-    (progress_tracker.py:213-216). So peers that ``--min-peers`` started together each saw the swarm empty
-    and trained alone for up to 3 s: 1 to 3 of 10 epochs in the scaling bench, and in a fresh-clone suite
-    all 20 of the demo's 0.1 s epochs of both peers (2026-11-24). Moving ``next_fetch_time`` to now and
-    waking the fetcher with ``global_state_updated`` makes it read at once (progress_tracker.py:256-263).
+    A peer stores its first progress record only once it has samples (progress_tracker.py:213-216), and a
+    tracker that found no peer reads again only after ``default_refresh_period``, 3 s
+    (progress_tracker.py:291). So peers that ``--min-peers`` released together each saw the swarm empty and
+    trained alone: 1 to 3 of 10 epochs in the scaling bench, and in a fresh-clone suite all 20 of the
+    demo's 0.1 s epochs of both peers (2026-11-24). Reading more often was not enough: a peer that started
+    its first step 0.5 s after the other found it 4 epochs ahead and only ever downloaded its state. The
+    record stored here is the one the reporter would store (epoch, 0 samples, no speed yet), so the others
+    count this peer from the start; moving ``next_fetch_time`` to now and waking the fetcher with
+    ``global_state_updated`` makes it read at once (progress_tracker.py:256-263).
     """
     from hivemind.utils import get_dht_time
 
-    def kick() -> None:
-        deadline = time.monotonic() + within
-        while time.monotonic() < deadline and not tracker.shutdown_triggered.is_set():
-            progress = tracker.global_progress
-            if progress.num_peers >= count:
-                return
-            progress.next_fetch_time = min(progress.next_fetch_time, get_dht_time())
-            tracker.global_state_updated.set()
-            tracker.shutdown_triggered.wait(every)
-
-    thread = threading.Thread(target=kick, name="swarm-see-peers", daemon=True)
-    thread.start()
-    return thread
+    progress = tracker.local_progress
+    tracker.dht.store(
+        key=tracker.training_progress_key,
+        subkey=tracker._local_public_key,
+        value=progress.dict(),
+        expiration_time=get_dht_time() + tracker.metadata_expiration,
+        return_future=True,
+    )
+    deadline = time.monotonic() + within
+    while not stop.is_set() and time.monotonic() < deadline:
+        seen = tracker.global_progress
+        if seen.num_peers >= count:
+            break
+        seen.next_fetch_time = min(seen.next_fetch_time, get_dht_time())
+        tracker.global_state_updated.set()
+        stop.wait(every)
+    return tracker.global_progress.num_peers
 
 
 def never_cancel_rounds(opt: Any) -> None:

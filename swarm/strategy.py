@@ -241,11 +241,12 @@ class HivemindStrategy(SingleDeviceStrategy):
         """Bytes this process has sent in averaging rounds (swarm/traffic.py)."""
         return traffic.bytes_sent()
 
-    def see_peers_soon(self, count: int, within: float = 30.0) -> None:
-        """Peers started together (``--min-peers``): until this peer's progress tracker sees ``count`` peers,
-        it reads the swarm's progress every 0.25 s instead of every 3 s (``averagers.see_peers_soon``)."""
-        if self.hivemind_opt is not None and count > 1:
-            averagers.see_peers_soon(self.hivemind_opt.tracker, count, within)
+    def meet_peers(self, count: int, stop: Any, within: float = 10.0) -> int:
+        """Peers started together (``--min-peers``): before the first step, until this peer's progress
+        tracker sees ``count`` peers (``averagers.meet_peers``); returns how many it sees."""
+        if self.hivemind_opt is None or count <= 1:
+            return 1
+        return averagers.meet_peers(self.hivemind_opt.tracker, count, stop, within)
 
     # ---- Lightning hooks --------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer) -> None:

@@ -64,7 +64,12 @@ def collect(cfg: ExperimentConfig, timeout: float = 10.0) -> SwarmStatus:
         raise SwarmConnectionError("status needs --initial-peers: the address of any running peer or monitor")
     started = time.time()
     validators, _ = metrics.make_validators(cfg.swarm.run_id)
-    dht = start_dht(cfg.swarm, validators)
+    try:
+        dht = start_dht(cfg.swarm, validators)
+    except Exception:
+        # a p2p daemon that failed to bootstrap leaves its socket file behind (seen in a fresh-clone suite)
+        remove_stale_sockets(since=started, exclude_own=True, settle=2.0)
+        raise
     try:
         status = SwarmStatus(cfg.swarm.run_id, cfg.swarm.initial_peers[0])
         try:

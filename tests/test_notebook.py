@@ -63,7 +63,10 @@ def test_the_notebook_joins_a_swarm_trains_and_shows_its_status(peers, tmp_path)
     common = ["--config", "demo", "--run-id", RUN_ID, "--log-dir", str(tmp_path), "--threads", "1"]
     # 32 steps of 32 per global epoch
     common += ["--host-maddr", "/ip4/127.0.0.1/tcp/0", "--target-batch-size", "1024"]
-    first = PeerProcess("first", ["join", *common, "--peer-name", "first", "--seed", "1"], peers)
+    # the first peer must outlive the notebook's status cell: with the demo's 120 global epochs it once left
+    # before that cell ran (both peers at epoch 120 after 39 s), and the status could not reach it
+    first_only = ["--peer-name", "first", "--seed", "1", "--max-epochs", "100000"]
+    first = PeerProcess("first", ["join", *common, *first_only], peers)
     address = first.join_address(timeout=120)
     (line,) = [s.strip() for s in first.lines if s.strip().startswith("swarm-peer join --initial-peers")][:1]
     assert line.endswith(f"--config demo --run-id {RUN_ID} --target-batch-size 1024"), line

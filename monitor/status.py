@@ -64,13 +64,10 @@ def collect(cfg: ExperimentConfig, timeout: float = 10.0) -> SwarmStatus:
         raise SwarmConnectionError("status needs --initial-peers: the address of any running peer or monitor")
     started = time.time()
     validators, _ = metrics.make_validators(cfg.swarm.run_id)
+    dht = None
     try:
+        # inside the try: a p2p daemon that failed to bootstrap leaves its socket file behind too
         dht = start_dht(cfg.swarm, validators)
-    except Exception:
-        # a p2p daemon that failed to bootstrap leaves its socket file behind (seen in a fresh-clone suite)
-        remove_stale_sockets(since=started, exclude_own=True, settle=2.0)
-        raise
-    try:
         status = SwarmStatus(cfg.swarm.run_id, cfg.swarm.initial_peers[0])
         try:
             status.records = sorted(
@@ -89,7 +86,8 @@ def collect(cfg: ExperimentConfig, timeout: float = 10.0) -> SwarmStatus:
             [str(a) for a in dht.get_visible_maddrs()], cfg.swarm.client_mode, verdict
         )
     finally:
-        stop_dht(dht)
+        if dht is not None:
+            stop_dht(dht)
         remove_stale_sockets(since=started, exclude_own=True, settle=2.0)
     return status
 

@@ -73,13 +73,15 @@ class SwarmReporter(L.Callback):
             self.publisher.mark_ready()
             seen = wait_for_peers(self.publisher, self.cfg.swarm.min_peers, self.stop.event)
             if not self.stop.event.is_set():
-                met = self.strategy.meet_peers(self.cfg.swarm.min_peers, self.stop.event)
+                within = 10.0
+                met = self.strategy.meet_peers(self.cfg.swarm.min_peers, self.stop.event, within)
                 if met < self.cfg.swarm.min_peers and not self.stop.event.is_set():
                     log.warning(
                         "%d training peers of the run are ready, but only %d showed their progress within "
-                        "10 s; starting anyway",
+                        "%.0f s; starting anyway",
                         seen,
                         met,
+                        within,
                     )
                 else:
                     log.info("%d training peers of the run are ready; starting", seen)

@@ -109,6 +109,15 @@
    retries read it (averager.py ``_step``); the all-reduce keeps ``allreduce_timeout``. The strategy passes
    twice ``matchmaking_time``: a peer that arrives that late misses one state round, which costs nothing
    but the drift until the next.
+13. **A download is numbered with the epoch it holds.** When the state a peer downloads is one epoch older
+   than the swarm's newest (a donor that had not yet stepped served it, while another already had),
+   hivemind.Optimizer moves the peer's epoch number on to the swarm's anyway ("Catching up with
+   collaboration step", optim/optimizer.py:705-707), so the peer holds epoch N's parameters under N+1's
+   number and applies N+1's average to them. With DiLoCo the anchors then differ from every other peer's for
+   good (in a test, a newcomer announced epoch 46 and held both donors' anchor of epoch 45).
+   :func:`download_the_epoch_it_names` downloads again (the donor that had not yet stepped has by then) and,
+   if the state is still older, keeps the epoch number of the state it holds: hivemind's exact-epoch check
+   then has it download at its next step (optimizer.py, ``_should_load_state_from_peers``).
 
 The subclasses keep hivemind's class names: the p2p handlers' names are built from the class name, and must
 match those of other peers.
@@ -367,6 +376,14 @@ def _state_averager_class(base: type) -> type:
         base._apply_averaging_results_(self)
 
     def load_state_from_peers(self: Any, **kwargs: Any) -> Any:
+        """hivemind's state download, judged (item 7); ``swarm_held_epoch`` then says which epoch the
+        tensors are (item 13)."""
+        try:
+            return _load_screened(self, **kwargs)
+        finally:
+            self.swarm_held_epoch = self.local_epoch
+
+    def _load_screened(self: Any, **kwargs: Any) -> Any:
         """hivemind's state download, judged like an averaging round (item 7): hivemind.Optimizer downloads
         from the peer with the newest epoch whenever this peer falls behind, and an attacker that runs ahead
         would otherwise hand its state over. A rejected download is undone; the peer keeps its own tensors
@@ -516,6 +533,46 @@ def meet_peers(tracker: Any, count: int, stop: Any, within: float = 10.0, every:
         tracker.global_state_updated.set()
         stop.wait(every)
     return tracker.global_progress.num_peers
+
+
+def download_the_epoch_it_names(opt: Any, attempts: int = 3, pause: float = 0.5) -> None:
+    """Make ``opt.load_state_from_peers`` (hivemind.Optimizer's, which its ``step`` also calls) leave the peer
+    with the epoch number of the state it downloaded (item 13): up to ``attempts`` downloads, ``pause``
+    seconds apart, while the one downloaded is older than the epoch hivemind then moved on to."""
+    load = opt.load_state_from_peers
+    averager = opt.state_averager
+
+    def load_state_from_peers(**kwargs: Any) -> Any:
+        for attempt in range(1, attempts + 1):
+            averager.swarm_held_epoch = None
+            result = load(**kwargs)
+            held = averager.swarm_held_epoch
+            if held is None or opt.local_epoch <= held:
+                return result
+            named = opt.local_epoch
+            averager.local_epoch = held  # undo hivemind's catch-up: these tensors are epoch `held`
+            with opt.tracker.pause_updates():
+                opt.tracker.report_local_progress(held, samples_accumulated=0)
+            if not opt.client_mode:
+                averager.state_sharing_priority = held
+                if opt.grad_averager is not None:
+                    opt.grad_averager.state_sharing_priority = held
+            if attempt < attempts:
+                log.info(
+                    "Downloaded the state of global epoch %d while the swarm is at %d; downloading again",
+                    held,
+                    named,
+                )
+                time.sleep(pause)
+        log.info(
+            "Kept global epoch %d, the epoch of the state downloaded (the swarm is at %d); "
+            "the next step downloads again",
+            held,
+            named,
+        )
+        return result
+
+    opt.load_state_from_peers = load_state_from_peers
 
 
 def never_cancel_rounds(opt: Any) -> None:

@@ -319,6 +319,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         if self.diloco is not None:
             self.diloco.attach(self.hivemind_opt)
         averagers.never_cancel_rounds(self.hivemind_opt)
+        averagers.download_the_epoch_it_names(self.hivemind_opt)
         averagers.throttle_progress_reports(self.hivemind_opt.tracker, self.report_every)
         averagers.screen_rounds(self.hivemind_opt, self.screen, self._on_rejected_round)
         self.clock = RoundClock(self.hivemind_opt, swarm_optimizer)

@@ -27,9 +27,10 @@ from swarm.waiting import wait_until
 PROGRESS_ONLY = """
 import sys, time, hivemind
 from hivemind.optim.progress_tracker import ProgressTracker
-dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=sys.argv[1:])
-tracker = ProgressTracker(dht, "pytest-rounds-fail", target_batch_size=8, start=True)
-tracker.report_local_progress(0, 1)
+run_id, epoch = sys.argv[1], int(sys.argv[2])
+dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=sys.argv[3:])
+tracker = ProgressTracker(dht, run_id, target_batch_size=8, start=True)
+tracker.report_local_progress(epoch, 1)
 while True:
     time.sleep(1)
 """
@@ -77,12 +78,7 @@ def _optimizer_beside_a_progress_only_peer(node: hivemind.DHT, net: torch.nn.Mod
         averager_opts={"request_timeout": 1.5},
         grad_averager_factory=averagers.round_averager(partial(GradientAverager, request_timeout=1.5)),
     )
-    peer_b = start_group(
-        [sys.executable, "-c", PROGRESS_ONLY, *map(str, node.get_visible_maddrs())],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    peer_b = _progress_only_peer(node, "pytest-rounds-fail", 0)
     try:
 
         def both_seen() -> bool:
@@ -95,6 +91,17 @@ def _optimizer_beside_a_progress_only_peer(node: hivemind.DHT, net: torch.nn.Mod
     finally:
         stop_group(peer_b, grace=10.0)
         opt.shutdown()
+
+
+def _progress_only_peer(node: hivemind.DHT, run_id: str, epoch: int) -> subprocess.Popen:
+    """A peer of ``run_id`` (another process: progress records are signed with a process-wide key) that only
+    announces progress at ``epoch``, as one that is busy or stuck would."""
+    return start_group(
+        [sys.executable, "-c", PROGRESS_ONLY, run_id, str(epoch), *map(str, node.get_visible_maddrs())],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _state_averagers(nodes: list, nets: list, prefix: str, **options) -> list:
@@ -579,3 +586,49 @@ def test_a_round_starts_when_the_last_ones_control_is_still_there(dhts):
         assert not begin_with_a_used_control(opt_a)  # hivemind's own: no round
         averagers.never_cancel_rounds(opt_a)
         assert begin_with_a_used_control(opt_a)
+
+
+def test_a_download_one_epoch_behind_the_swarm_keeps_the_epoch_number_of_its_state(dhts, caplog):
+    """The only donor serves epoch 5 while another peer already announces epoch 6. hivemind.Optimizer would
+    number the newcomer's download 6 ("Catching up with collaboration step"): epoch 5's parameters under 6's
+    number. With item 13 it downloads again, and keeps epoch 5 with the donor's parameters exactly."""
+    node_d, node_n = dhts(2)
+    run = "pytest-rounds-behind"
+    torch.manual_seed(0)
+    donor_net, new_net = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    (donor,) = _state_averagers([node_d], [donor_net], f"{run}_state_averager")
+    donor.local_epoch = donor.state_sharing_priority = 5
+    ahead = _progress_only_peer(node_d, run, 6)
+    opt = hivemind.Optimizer(
+        dht=node_n,
+        run_id=run,
+        params=new_net.parameters(),
+        optimizer=partial(torch.optim.SGD, lr=0.1),
+        target_batch_size=8,
+        batch_size_per_step=4,
+        matchmaking_time=2.0,
+        averaging_timeout=4.0,
+        averager_opts={"request_timeout": 1.5},
+        load_state_timeout=20.0,
+    )
+    try:
+        averagers.download_the_epoch_it_names(opt, attempts=2, pause=0.2)
+        assert wait_until(lambda: opt.tracker.global_epoch == 6, timeout=60), opt.tracker.global_progress
+        with caplog.at_level("INFO", logger="swarm.averagers"):
+            opt.load_state_from_peers()
+        assert opt.local_epoch == 5 and opt.tracker.local_progress.epoch == 5
+        for p, q in zip(new_net.parameters(), donor_net.parameters(), strict=True):
+            torch.testing.assert_close(p.detach(), q.detach())
+        messages = [r.getMessage() for r in caplog.records if r.name == "swarm.averagers"]
+        assert messages == [
+            "Downloaded the state of global epoch 5 while the swarm is at 6; downloading again",
+            "Kept global epoch 5, the epoch of the state downloaded (the swarm is at 6); the next step "
+            "downloads again",
+        ], messages
+        # what this guards against: hivemind's own download, in the same swarm, numbers the same state 6
+        hivemind.Optimizer.load_state_from_peers(opt)
+        assert opt.local_epoch == 6
+    finally:
+        stop_group(ahead, grace=10.0)
+        opt.shutdown()
+        donor.shutdown()

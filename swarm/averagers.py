@@ -498,6 +498,27 @@ def throttle_progress_reports(tracker: Any, interval: float) -> None:
     previous.set()  # wakes the reporter from its wait on the old event; from its next turn it waits on ours
 
 
+def read_within(tracker: Any, seconds: float) -> None:
+    """Have a running ``ProgressTracker`` read the swarm's progress within ``seconds`` (a no-op when its next
+    read is due by then), for a peer that waits for the swarm with nothing left to compute: DiLoCo after its
+    H local steps. Called on every turn of such a wait, it makes the tracker read every ``seconds``.
+
+    hivemind plans the next read from its estimate of when the swarm reaches the target, made from the
+    speeds that the peers' records carry (progress_tracker.py ``_parse_swarm_progress_data``), and only
+    this peer's own samples count towards the target in between. A record stored before a peer's first
+    samples carries no speed (meet_peers stores one), so the estimate is "never" and the next read is
+    ``max_refresh_period`` (10 s) away: in the scaling bench both DiLoCo peers waited 9.2 s for it at their
+    first outer step, and DiLoCo fell from 0.55x to 0.28x DDP (2026-11-24, run 9). Waking the fetcher with
+    ``global_state_updated`` makes it plan its wait again from the moved ``next_fetch_time``
+    (progress_tracker.py:256-263)."""
+    from hivemind.utils import get_dht_time
+
+    seen, due = tracker.global_progress, get_dht_time() + seconds
+    if seen.next_fetch_time > due:
+        seen.next_fetch_time = due
+        tracker.global_state_updated.set()
+
+
 def meet_peers(tracker: Any, count: int, stop: Any, within: float = 10.0, every: float = 0.25) -> int:
     """Before the first step of peers started together (``--min-peers``): store this peer's progress record
     now and have its running ``ProgressTracker`` read the swarm's progress every ``every`` seconds, until it

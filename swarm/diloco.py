@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from swarm import averagers
+
 if TYPE_CHECKING:
     import hivemind
 
@@ -162,6 +164,7 @@ class DiLoCo:
             if opt.tracker.ready_to_update_epoch:
                 opt._update_global_epoch(None)  # what hivemind.Optimizer.step does once the swarm is ready
                 break
+            averagers.read_within(opt.tracker, opt.tracker.min_refresh_period)
             time.sleep(0.02)
         self.waited += time.perf_counter() - started
         for a in self.anchors:

@@ -632,3 +632,53 @@ def test_a_download_one_epoch_behind_the_swarm_keeps_the_epoch_number_of_its_sta
         stop_group(ahead, grace=10.0)
         opt.shutdown()
         donor.shutdown()
+
+
+def test_a_peer_that_waits_for_the_swarm_reads_its_progress_again_within_min_refresh_period(dhts):
+    """Two trackers meet before their first samples (meet_peers): their records carry no speed, so hivemind
+    plans the next read of the swarm's progress ``max_refresh_period`` away (here 60 s). B then reaches the
+    target alone. A, waiting as DiLoCo waits after its local steps (``read_within`` on every turn), sees the
+    swarm ready within seconds; without ``read_within`` it would see it at the planned read, a minute later.
+    """
+    from hivemind.optim.progress_tracker import ProgressTracker
+    from hivemind.utils import get_dht_time
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    first, second = dhts(2)
+    run, target = "pytest-rounds-read-within", 16
+    # each its own key (a tracker signs its record with the process-wide key by default: one record for both)
+    a, b = (
+        ProgressTracker(node, run, target, max_refresh_period=60.0, private_key=RSAPrivateKey(), start=True)
+        for node in (first, second)
+    )
+    stop = threading.Event()
+    try:
+        met = []
+        both = [
+            threading.Thread(target=lambda t=t: met.append(averagers.meet_peers(t, 2, stop))) for t in (a, b)
+        ]
+        for thread in both:
+            thread.start()
+        for thread in both:
+            thread.join(timeout=30)
+        assert sorted(met) == [2, 2]
+        # the cause: a read planned far ahead (more than half the 60 s; the estimate is "never")
+        wait_until(lambda: a.global_progress.next_fetch_time - get_dht_time() > 30, timeout=10, interval=0.1)
+        assert a.global_progress.next_fetch_time - get_dht_time() > 30
+        assert not a.ready_to_update_epoch
+        b.report_local_progress(0, target)  # B alone brings the swarm to the target (first samples: stored)
+        began = time.monotonic()
+
+        def waiting_turn() -> bool:  # one turn of DiLoCo.outer_step's wait
+            if a.ready_to_update_epoch:
+                return True
+            averagers.read_within(a, a.min_refresh_period)
+            return False
+
+        assert wait_until(waiting_turn, timeout=20, interval=0.02), "A still waits for the planned read"
+        assert time.monotonic() - began < 20
+        assert a.global_progress.samples_accumulated >= target
+    finally:
+        stop.set()
+        a.shutdown()
+        b.shutdown()

@@ -118,6 +118,17 @@
    :func:`download_the_epoch_it_names` downloads again (the donor that had not yet stepped has by then) and,
    if the state is still older, keeps the epoch number of the state it holds: hivemind's exact-epoch check
    then has it download at its next step (optimizer.py, ``_should_load_state_from_peers``).
+14. **A peer reads the swarm's progress again soon when nobody's speed is known yet.** hivemind plans its
+   next read of the swarm's progress from the estimated time to the target, made from the speeds in the
+   peers' records and its own (progress_tracker.py ``_parse_swarm_progress_data``); in between only its own
+   samples count. Records stored before a peer's first samples (``meet_peers`` stores them, so that peers
+   started together count each other) carry no speed, the estimate is "never", and the next read is
+   ``max_refresh_period`` (10 s) away: each peer then computed the whole target batch alone in every global
+   epoch of its first 10 s, twice the target with 2 peers (64 of 64 steps per peer and epoch in every
+   scaling run of 2026-11-24 evening, all of whose 10 epochs fit in those 10 s).
+   :func:`read_soon_while_speeds_unknown` plans such a read ``min_refresh_period`` ahead instead;
+   :func:`read_within` does it for a peer that waits with nothing to compute (DiLoCo after its H local
+   steps).
 
 The subclasses keep hivemind's class names: the p2p handlers' names are built from the class name, and must
 match those of other peers.
@@ -498,19 +509,48 @@ def throttle_progress_reports(tracker: Any, interval: float) -> None:
     previous.set()  # wakes the reporter from its wait on the old event; from its next turn it waits on ours
 
 
+def read_soon_while_speeds_unknown(tracker: Any, below: float = 1e-6) -> None:
+    """Item 14 of the module docstring, on one running ``ProgressTracker``: a read of the swarm's progress
+    that finds peers but no speed above ``below`` samples/s (theirs and this peer's together) plans the next
+    read ``min_refresh_period`` ahead, not ``max_refresh_period``. hivemind's speeds start at 1e-20
+    (utils/performance_ema.py)."""
+    parse = tracker._parse_swarm_progress_data
+    if getattr(parse, "_swarm_reads_soon", False):
+        return
+    from hivemind.utils import get_dht_time
+
+    def speed(entry: Any) -> float:
+        value = getattr(entry, "value", None)
+        number = value.get("samples_per_second") if isinstance(value, dict) else None
+        return float(number) if isinstance(number, int | float) else 0.0
+
+    def parsed(metadata: Any) -> Any:
+        progress = parse(metadata)
+        try:
+            entries = metadata.values() if isinstance(metadata, dict) else ()
+            known = tracker.performance_ema.samples_per_second + sum(speed(e) for e in entries)
+            if progress.num_peers and known < below:
+                soon = get_dht_time() + tracker.min_refresh_period
+                progress.next_fetch_time = min(progress.next_fetch_time, soon)
+        except Exception:  # an unreadable record leaves hivemind's plan as it was; never stop the fetcher
+            log.debug("Could not check the speeds in the swarm's progress records", exc_info=True)
+        return progress
+
+    parsed._swarm_reads_soon = True  # type: ignore[attr-defined]
+    tracker._parse_swarm_progress_data = parsed
+
+
 def read_within(tracker: Any, seconds: float) -> None:
     """Have a running ``ProgressTracker`` read the swarm's progress within ``seconds`` (a no-op when its next
     read is due by then), for a peer that waits for the swarm with nothing left to compute: DiLoCo after its
     H local steps. Called on every turn of such a wait, it makes the tracker read every ``seconds``.
 
-    hivemind plans the next read from its estimate of when the swarm reaches the target, made from the
-    speeds that the peers' records carry (progress_tracker.py ``_parse_swarm_progress_data``), and only
-    this peer's own samples count towards the target in between. A record stored before a peer's first
-    samples carries no speed (meet_peers stores one), so the estimate is "never" and the next read is
-    ``max_refresh_period`` (10 s) away: in the scaling bench both DiLoCo peers waited 9.2 s for it at their
-    first outer step, and DiLoCo fell from 0.55x to 0.28x DDP (2026-11-24, run 9). Waking the fetcher with
-    ``global_state_updated`` makes it plan its wait again from the moved ``next_fetch_time``
-    (progress_tracker.py:256-263)."""
+    hivemind plans the next read from its estimate of when the swarm reaches the target (item 14), and a
+    waiting peer adds no samples of its own: with an estimate made from speedless records both DiLoCo peers
+    of a scaling bench waited 9.2 s for the read at their first outer step, and DiLoCo fell from 0.55x to
+    0.28x DDP (2026-11-24, run 9). Item 14 now avoids that estimate; this bounds the wait whatever the
+    estimate was (a peer that slowed down or left). Waking the fetcher with ``global_state_updated`` makes
+    it plan its wait again from the moved ``next_fetch_time`` (progress_tracker.py:256-263)."""
     from hivemind.utils import get_dht_time
 
     seen, due = tracker.global_progress, get_dht_time() + seconds

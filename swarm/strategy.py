@@ -249,6 +249,15 @@ class HivemindStrategy(SingleDeviceStrategy):
         return averagers.meet_peers(self.hivemind_opt.tracker, count, stop, within)
 
     # ---- Lightning hooks --------------------------------------------------------------------------
+    def on_train_start(self) -> None:
+        # after the callbacks' on_train_start (the volunteer's wait for peers and first validation), right
+        # before the first step: hivemind's speed estimate times its first samples from when the tracker was
+        # made, so start-up made the first speed a few samples/s and the swarm's first estimate of the time to
+        # the target 25 s (averagers.py item 14)
+        super().on_train_start()
+        if self.hivemind_opt is not None:
+            self.hivemind_opt.tracker.performance_ema.reset_timer()
+
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn == "fit":
@@ -321,6 +330,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         averagers.never_cancel_rounds(self.hivemind_opt)
         averagers.download_the_epoch_it_names(self.hivemind_opt)
         averagers.throttle_progress_reports(self.hivemind_opt.tracker, self.report_every)
+        averagers.read_soon_while_speeds_unknown(self.hivemind_opt.tracker)
         averagers.screen_rounds(self.hivemind_opt, self.screen, self._on_rejected_round)
         self.clock = RoundClock(self.hivemind_opt, swarm_optimizer)
         # after the clock: a skipped state round is not timed as one

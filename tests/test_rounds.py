@@ -634,26 +634,38 @@ def test_a_download_one_epoch_behind_the_swarm_keeps_the_epoch_number_of_its_sta
         donor.shutdown()
 
 
-def test_a_peer_that_waits_for_the_swarm_reads_its_progress_again_within_min_refresh_period(dhts):
-    """Two trackers meet before their first samples (meet_peers): their records carry no speed, so hivemind
-    plans the next read of the swarm's progress ``max_refresh_period`` away (here 60 s). B then reaches the
-    target alone. A, waiting as DiLoCo waits after its local steps (``read_within`` on every turn), sees the
-    swarm ready within seconds; without ``read_within`` it would see it at the planned read, a minute later.
-    """
+@contextmanager
+def _two_trackers(dhts, run: str, target: int):
+    """Progress trackers A and B of run ``run`` on two DHT nodes, each signing with its own key (by default a
+    tracker signs with the process-wide key: one record for both), reads at most a minute apart, item 14
+    installed (as the strategy installs it)."""
     from hivemind.optim.progress_tracker import ProgressTracker
-    from hivemind.utils import get_dht_time
     from hivemind.utils.crypto import RSAPrivateKey
 
-    first, second = dhts(2)
-    run, target = "pytest-rounds-read-within", 16
-    # each its own key (a tracker signs its record with the process-wide key by default: one record for both)
-    a, b = (
+    trackers = [
         ProgressTracker(node, run, target, max_refresh_period=60.0, private_key=RSAPrivateKey(), start=True)
-        for node in (first, second)
-    )
-    stop = threading.Event()
+        for node in dhts(2)
+    ]
     try:
-        met = []
+        for tracker in trackers:
+            averagers.read_soon_while_speeds_unknown(tracker)
+        yield trackers
+    finally:
+        for tracker in trackers:
+            tracker.shutdown()
+
+
+def test_peers_that_meet_before_their_first_samples_read_each_others_progress_soon(dhts):
+    """Two trackers meet before their first samples (meet_peers): their records carry no speed, from which
+    hivemind plans the next read of the swarm's progress ``max_refresh_period`` away (here 60 s), and until
+    then each peer counted only its own samples: with 2 peers each computed the whole target batch in every
+    epoch of its first 10 s. With item 14 the next read is ``min_refresh_period`` away: B then reaches the
+    target alone, and A, which only waits, sees the swarm ready within seconds."""
+    from hivemind.utils import get_dht_time
+
+    target, stop = 16, threading.Event()
+    with _two_trackers(dhts, "pytest-rounds-speedless", target) as (a, b):
+        met: list[int] = []
         both = [
             threading.Thread(target=lambda t=t: met.append(averagers.meet_peers(t, 2, stop))) for t in (a, b)
         ]
@@ -662,11 +674,36 @@ def test_a_peer_that_waits_for_the_swarm_reads_its_progress_again_within_min_ref
         for thread in both:
             thread.join(timeout=30)
         assert sorted(met) == [2, 2]
-        # the cause: a read planned far ahead (more than half the 60 s; the estimate is "never")
-        wait_until(lambda: a.global_progress.next_fetch_time - get_dht_time() > 30, timeout=10, interval=0.1)
-        assert a.global_progress.next_fetch_time - get_dht_time() > 30
+        assert a.global_progress.next_fetch_time - get_dht_time() <= a.min_refresh_period + 1.0
         assert not a.ready_to_update_epoch
         b.report_local_progress(0, target)  # B alone brings the swarm to the target (first samples: stored)
+        assert wait_until(lambda: a.ready_to_update_epoch, timeout=20, interval=0.05), "A waits for a read"
+        assert a.global_progress.samples_accumulated >= target
+
+
+def test_a_peer_that_waits_for_the_swarm_reads_its_progress_again_within_min_refresh_period(dhts):
+    """B's record says it is slow (0.1 samples/s), so A plans its next read a minute ahead (the estimate: 150
+    s to the target). B then reaches the target. A, waiting as DiLoCo waits after its local steps
+    (``read_within`` on every turn), sees the swarm ready within seconds, not at the planned read."""
+    from hivemind.utils import get_dht_time
+
+    target = 16
+    with _two_trackers(dhts, "pytest-rounds-read-within", target) as (a, b):
+        b.performance_ema.samples_per_second = 0.1
+        b.local_progress = b._get_local_progress(0, 1)
+        b.should_report_progress.set()  # B's reporter stores the record (it has a sample)
+
+        def a_read_b() -> bool:  # A reads the swarm's progress now, as meet_peers makes it read
+            if a.global_progress.samples_accumulated >= 1:  # B's record (A stores none before its samples)
+                return True
+            a.global_progress.next_fetch_time = get_dht_time()
+            a.global_state_updated.set()
+            return False
+
+        assert wait_until(a_read_b, timeout=20, interval=0.25)
+        planned = a.global_progress.next_fetch_time - get_dht_time()
+        assert planned > 30, planned  # the read hivemind planned from B's speed
+        b.report_local_progress(0, target)  # B alone brings the swarm to the target
         began = time.monotonic()
 
         def waiting_turn() -> bool:  # one turn of DiLoCo.outer_step's wait
@@ -678,7 +715,3 @@ def test_a_peer_that_waits_for_the_swarm_reads_its_progress_again_within_min_ref
         assert wait_until(waiting_turn, timeout=20, interval=0.02), "A still waits for the planned read"
         assert time.monotonic() - began < 20
         assert a.global_progress.samples_accumulated >= target
-    finally:
-        stop.set()
-        a.shutdown()
-        b.shutdown()

@@ -72,6 +72,9 @@ def run(bench: Bench, opts: Options, batch: int = 32, per_round: int = 64) -> No
                 "ddp_vs_k_single": round(ddp_sps / (peers * single_sps), 3),
                 # per global epoch and peer: the steps that ended a round (waiting for the swarm, matchmaking,
                 # all-reduce, update) against all the rest (forward, backward, local optimizer steps)
+                # what all peers computed per global epoch: about the target when the peers' trackers count
+                # each other's samples, a multiple of it when each peer reaches the target alone
+                "samples_per_global_epoch": round(_samples_per_epoch(sums), 1),
                 "seconds_per_round": round(train / rounds_done, 3),
                 "round_end_seconds_per_round": round(ends / rounds_done, 3),
                 "single_seconds_per_round": round(tgt / single_sps, 3),
@@ -96,7 +99,8 @@ def line(r: dict[str, Any]) -> str:
         f"vs DDP {r['vs_ddp']:.2f}x ({r['vs_ddp_averaged_rounds']:.2f}x over averaged rounds), vs "
         f"{r['workers']} x single {r['vs_k_single']:.2f}x; per round "
         f"{r['seconds_per_round']:.2f} s of which {r['round_end_seconds_per_round']:.2f} s ending it (median "
-        f"{fmt(r['round_end_seconds_median'], 2)} s)"
+        f"{fmt(r['round_end_seconds_median'], 2)} s); {r['samples_per_global_epoch']:.0f} samples per global "
+        f"epoch (target {r['target_batch_size']})"
     )
 
 
@@ -149,6 +153,16 @@ def _averaged_rate(s: dict[str, Any]) -> float:
     ]
     seconds = sum(h["samples"] / h["samples_per_second"] for h in done)
     return sum(h["samples"] for h in done) / seconds if seconds else 0.0
+
+
+def _samples_per_epoch(sums: list[dict[str, Any]]) -> float:
+    """The samples that all peers computed per global epoch, over the epochs in which one of them trained."""
+    totals: dict[int, int] = {}
+    for s in sums:
+        for h in s["history"]:
+            if h["mini_steps"]:
+                totals[h["epoch"]] = totals.get(h["epoch"], 0) + h["samples"]
+    return sum(totals.values()) / len(totals) if totals else 0.0
 
 
 def _median_end(sums: list[dict[str, Any]]) -> float | None:

@@ -193,6 +193,16 @@ def peer_rate(s: dict[str, Any]) -> float:
     return sum(h["samples"] for h in done) / max(s["train_seconds"], 1e-9)  # the summary's sum of windows
 
 
+def samples_per_epoch(sums: list[dict[str, Any]]) -> float:
+    """The samples that all peers computed per global epoch, over the epochs in which one of them trained."""
+    totals: dict[int, int] = {}
+    for s in sums:
+        for h in s["history"]:
+            if h["mini_steps"]:
+                totals[h["epoch"]] = totals.get(h["epoch"], 0) + h["samples"]
+    return sum(totals.values()) / len(totals) if totals else 0.0
+
+
 def rounds(s: dict[str, Any]) -> int:
     return max(s["final_epoch"] - (s.get("loaded_epoch") or 0), 1)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from peer.bench.harness import Bench, Options, fmt, local, swarm, table
+from peer.bench.harness import Bench, Options, fmt, local, samples_per_epoch, swarm, table
 
 
 def run(bench: Bench, opts: Options, target: int = 128, batch: int = 32) -> None:
@@ -16,7 +16,7 @@ def run(bench: Bench, opts: Options, target: int = 128, batch: int = 32) -> None
     epochs = max(2, opts.samples // target)
     stamp = int(time.time())
     shared = ["--target-batch-size", str(target), "--max-epochs", str(epochs)]
-    swarm_accs, single_accs = [], []
+    swarm_accs, single_accs, computed = [], [], []
     for seed in range(opts.seeds):
         init = {"SWARM_INIT_SEED": str(seed)}  # the same initial weights for the swarm and the process
         run = f"bench-parity-{stamp}-{seed}"
@@ -24,6 +24,7 @@ def run(bench: Bench, opts: Options, target: int = 128, batch: int = 32) -> None
         alone = ["--batch-size", str(target), *shared, "--seed", str(seed)]
         single = local(bench, run, "single", 1, alone, init)
         accs = [s["final_val"]["acc"] for s in peers if s.get("final_val")]
+        computed.append(samples_per_epoch(peers))
         curve = single.get("val_curve") or []
         swarm_accs.append(sum(accs) / len(accs) if accs else float("nan"))
         single_accs.append(curve[-1][2] if curve else float("nan"))
@@ -40,6 +41,10 @@ def run(bench: Bench, opts: Options, target: int = 128, batch: int = 32) -> None
             "global_epochs": epochs,
             "samples": epochs * target,
             "seeds": opts.seeds,
+            # what the two peers computed per global epoch together (the target when each counts the other's
+            # samples; up to twice it when each reaches the target alone, as with epochs shorter than the
+            # progress tracker's 0.5 s between reads)
+            "swarm_samples_per_global_epoch": round(_mean(computed), 1),
             "swarm_val_acc": _mean(swarm_accs),
             "swarm_val_acc_std": _std(swarm_accs),
             "swarm_val_acc_per_seed": swarm_accs,
@@ -52,7 +57,9 @@ def run(bench: Bench, opts: Options, target: int = 128, batch: int = 32) -> None
     print(
         f"parity: {r['samples']} samples in {epochs} global epochs of {target}, {opts.seeds} seeds; "
         f"2-peer swarm val acc {fmt(r['swarm_val_acc'])} +- {fmt(r['swarm_val_acc_std'])}, "
-        f"one process (batch {target}) {fmt(r['single_val_acc'])} +- {fmt(r['single_val_acc_std'])}",
+        f"one process (batch {target}) {fmt(r['single_val_acc'])} +- {fmt(r['single_val_acc_std'])}; the "
+        f"swarm computed {r['swarm_samples_per_global_epoch']:.0f} samples per global epoch (target "
+        f"{target})",
         flush=True,
     )
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from peer.bench.harness import Bench, Options, fmt, local, peer_rate, rounds, swarm, table
+from peer.bench.harness import Bench, Options, fmt, local, peer_rate, rounds, samples_per_epoch, swarm, table
 
 
 def run(bench: Bench, opts: Options, batch: int = 32, per_round: int = 64) -> None:
@@ -74,7 +74,7 @@ def run(bench: Bench, opts: Options, batch: int = 32, per_round: int = 64) -> No
                 # all-reduce, update) against all the rest (forward, backward, local optimizer steps)
                 # what all peers computed per global epoch: about the target when the peers' trackers count
                 # each other's samples, a multiple of it when each peer reaches the target alone
-                "samples_per_global_epoch": round(_samples_per_epoch(sums), 1),
+                "samples_per_global_epoch": round(samples_per_epoch(sums), 1),
                 "seconds_per_round": round(train / rounds_done, 3),
                 "round_end_seconds_per_round": round(ends / rounds_done, 3),
                 "single_seconds_per_round": round(tgt / single_sps, 3),
@@ -153,16 +153,6 @@ def _averaged_rate(s: dict[str, Any]) -> float:
     ]
     seconds = sum(h["samples"] / h["samples_per_second"] for h in done)
     return sum(h["samples"] for h in done) / seconds if seconds else 0.0
-
-
-def _samples_per_epoch(sums: list[dict[str, Any]]) -> float:
-    """The samples that all peers computed per global epoch, over the epochs in which one of them trained."""
-    totals: dict[int, int] = {}
-    for s in sums:
-        for h in s["history"]:
-            if h["mini_steps"]:
-                totals[h["epoch"]] = totals.get(h["epoch"], 0) + h["samples"]
-    return sum(totals.values()) / len(totals) if totals else 0.0
 
 
 def _median_end(sums: list[dict[str, Any]]) -> float | None:

@@ -120,15 +120,15 @@
    then has it download at its next step (optimizer.py, ``_should_load_state_from_peers``).
 14. **A peer reads the swarm's progress again soon when nobody's speed is known yet.** hivemind plans its
    next read of the swarm's progress from the estimated time to the target, made from the speeds in the
-   peers' records and its own (progress_tracker.py ``_parse_swarm_progress_data``); in between only its own
-   samples count. Records stored before a peer's first samples (``meet_peers`` stores them, so that peers
-   started together count each other) carry no speed, the estimate is "never", and the next read is
-   ``max_refresh_period`` (10 s) away: each peer then computed the whole target batch alone in every global
-   epoch of its first 10 s, twice the target with 2 peers (64 of 64 steps per peer and epoch in every
-   scaling run of 2026-11-24 evening, all of whose 10 epochs fit in those 10 s).
-   :func:`read_soon_while_speeds_unknown` plans such a read ``min_refresh_period`` ahead instead;
-   :func:`read_within` does it for a peer that waits with nothing to compute (DiLoCo after its H local
-   steps).
+   peers' records, its own record included but not its live speed (progress_tracker.py
+   ``_parse_swarm_progress_data``); in between only its own samples count. Records stored before a peer's
+   first samples (``meet_peers`` stores them, so that peers started together count each other) carry no
+   speed, the estimate is "never", and the next read is ``max_refresh_period`` (10 s) away: each peer then
+   computed the whole target batch alone in every global epoch of its first 10 s, twice the target with 2
+   peers (64 of 64 steps per peer and epoch in every scaling run of 2026-11-24 evening, all of whose 10
+   epochs fit in those 10 s). :func:`read_soon_while_speeds_unknown` plans such a read
+   ``min_refresh_period`` ahead instead; :func:`read_within` does it for a peer that waits with nothing to
+   compute (DiLoCo after its H local steps).
 
 The subclasses keep hivemind's class names: the p2p handlers' names are built from the class name, and must
 match those of other peers.
@@ -511,9 +511,10 @@ def throttle_progress_reports(tracker: Any, interval: float) -> None:
 
 def read_soon_while_speeds_unknown(tracker: Any, below: float = 1e-6) -> None:
     """Item 14 of the module docstring, on one running ``ProgressTracker``: a read of the swarm's progress
-    that finds peers but no speed above ``below`` samples/s (theirs and this peer's together) plans the next
-    read ``min_refresh_period`` ahead, not ``max_refresh_period``. hivemind's speeds start at 1e-20
-    (utils/performance_ema.py)."""
+    whose records carry no speed above ``below`` samples/s in all plans the next read ``min_refresh_period``
+    ahead, not ``max_refresh_period``. hivemind's speeds start at 1e-20 (utils/performance_ema.py). Only the
+    records count, as in hivemind's estimate: a peer that has stepped but not yet stored a record with its
+    speed still reads soon."""
     parse = tracker._parse_swarm_progress_data
     if getattr(parse, "_swarm_reads_soon", False):
         return
@@ -528,7 +529,7 @@ def read_soon_while_speeds_unknown(tracker: Any, below: float = 1e-6) -> None:
         progress = parse(metadata)
         try:
             entries = metadata.values() if isinstance(metadata, dict) else ()
-            known = tracker.performance_ema.samples_per_second + sum(speed(e) for e in entries)
+            known = sum(speed(e) for e in entries)
             if progress.num_peers and known < below:
                 soon = get_dht_time() + tracker.min_refresh_period
                 progress.next_fetch_time = min(progress.next_fetch_time, soon)

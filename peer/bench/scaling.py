@@ -70,11 +70,11 @@ def run(bench: Bench, opts: Options, batch: int = 32, per_round: int = 64) -> No
                 "vs_ddp_averaged_rounds": round(together / ddp_sps, 3),
                 "alone_rounds_per_peer": [s.get("round_ends", {}).get("alone") for s in sums],
                 "ddp_vs_k_single": round(ddp_sps / (peers * single_sps), 3),
-                # per global epoch and peer: the steps that ended a round (waiting for the swarm, matchmaking,
-                # all-reduce, update) against all the rest (forward, backward, local optimizer steps)
                 # what all peers computed per global epoch: about the target when the peers' trackers count
                 # each other's samples, a multiple of it when each peer reaches the target alone
                 "samples_per_global_epoch": round(samples_per_epoch(sums), 1),
+                # per global epoch and peer: the steps that ended a round (waiting for the swarm, matchmaking,
+                # all-reduce, update) against all the rest (forward, backward, local optimizer steps)
                 "seconds_per_round": round(train / rounds_done, 3),
                 "round_end_seconds_per_round": round(ends / rounds_done, 3),
                 "single_seconds_per_round": round(tgt / single_sps, 3),

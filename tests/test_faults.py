@@ -153,7 +153,11 @@ def test_a_groupmate_that_never_learnt_of_the_group_is_met_in_the_next_round(pee
     starved = _join(peers, "starved", run, tmp_path, *common, "--inject-fault", "abandon:join@+2", seed=2)
     starved.wait_for("FAULT INJECTED: gave up on a join request", timeout=240)
     fired_at = time.time()
-    later = max(steady.epoch(), starved.epoch()) + 6
+    # 6 epochs after the fault, counted from each peer's first progress line after it: the lines come every
+    # log_every seconds and trail these 0.1-0.2 s epochs by several, so the last line before the fault could
+    # leave only 2 epochs after it (a fresh-clone suite stopped the two at 175 = 169 + 6, the fault at 173)
+    after = [p.wait_for(r"\| epoch (\d+) \|", timeout=120, after=fired_at) for p in (steady, starved)]
+    later = max(int(m.group(1)) for m in after) + 6
     for p in (steady, starved):
         _wait_epoch(p, later, timeout=120)
     for p in (steady, starved):

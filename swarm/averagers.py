@@ -591,8 +591,7 @@ def meet_peers(tracker: Any, count: int, stop: Any, within: float = 10.0, every:
         seen = tracker.global_progress
         if seen.num_peers >= count:
             break
-        seen.next_fetch_time = min(seen.next_fetch_time, get_dht_time())
-        tracker.global_state_updated.set()
+        read_within(tracker, 0.0)
         stop.wait(every)
     return tracker.global_progress.num_peers
 

@@ -30,9 +30,10 @@
    hivemind numbers the new epoch before the update and the state round that make it (state_averager.py,
    ``step`` then ``_do``), so a download in between got the new number with the old parameters, or this
    peer's own update before the group's average (in a test, a newcomer's parameters matched no peer's at
-   any epoch). The state averager serves its state only once the epoch's step has ended. It waits for that
-   up to half of ``next_chunk_timeout`` (within which the downloader expects a first part) and then sends
-   nothing, which hivemind's downloader takes as "ask the next peer".
+   any epoch). The state averager serves its state only once the epoch's step has ended, and copies it
+   again when the next step began while it copied (that step's new number would go with the old tensors).
+   It waits for that up to half of ``next_chunk_timeout`` (within which the downloader expects a first
+   part) and then sends nothing, which hivemind's downloader takes as "ask the next peer".
 5. **A pre-scheduled round is never cancelled.** hivemind.Optimizer pre-schedules the gradient round when
    the epoch is near, even with no other peer, and cancels it at the epoch's end when its tracker counts no
    other peer (optimizer.py, ``_begin_averaging_gradients``). A cancel that lands during matchmaking can
@@ -316,6 +317,7 @@ def _state_averager_class(base: type) -> type:
     def __init__(self: Any, *args: Any, find_group_within: float | None = None, **kwargs: Any) -> None:
         self._swarm_settled = threading.Event()  # clear while an epoch's step runs (item 4)
         self._swarm_settled.set()
+        self._swarm_steps = 0  # epoch steps begun (item 4)
         self._swarm_find_group_within = find_group_within  # item 12; set before the averager process forks
         base.__init__(self, *args, **kwargs)  # starts the thread that serves the state
 
@@ -335,6 +337,7 @@ def _state_averager_class(base: type) -> type:
         it synchronously (no delayed updates or averaging): the update and the state round are done then."""
         if not kwargs.get("increment_epoch"):
             return base.step(self, *args, **kwargs)
+        self._swarm_steps += 1
         self._swarm_settled.clear()
         try:
             return base.step(self, *args, **kwargs)
@@ -350,17 +353,25 @@ def _state_averager_class(base: type) -> type:
         from hivemind.optim.state_averager import dump_optimizer_state
 
         wait = 0.5 * (self.next_chunk_timeout or 10.0)  # hivemind's downloader waits that long for a part
-        if not self._swarm_settled.wait(wait):
-            log.info("Sent no state to a peer: this one was in an epoch's step for %.1f s", wait)
-            return None, [], []  # no part: the downloader asks the next peer (averager.py)
-        with torch.no_grad(), self.lock_averaged_tensors:
-            params = [
-                p.detach().to("cpu", copy=True) for g in self.optimizer.param_groups for p in g["params"]
-            ]
-            extra = [t.detach().to("cpu", copy=True) for t in self.extra_tensors]
-            opt_metadata, opt_tensors = dump_optimizer_state(self.optimizer)
-            opt_tensors = [t.clone() for t in opt_tensors]
-            epoch = self.local_epoch
+        deadline = time.monotonic() + wait
+        while True:
+            if not self._swarm_settled.wait(max(0.0, deadline - time.monotonic())):
+                log.info("Sent no state to a peer: this one was in an epoch's step for %.1f s", wait)
+                return None, [], []  # no part: the downloader asks the next peer (averager.py)
+            begun = self._swarm_steps
+            with torch.no_grad(), self.lock_averaged_tensors:
+                params = [
+                    p.detach().to("cpu", copy=True) for g in self.optimizer.param_groups for p in g["params"]
+                ]
+                extra = [t.detach().to("cpu", copy=True) for t in self.extra_tensors]
+                opt_metadata, opt_tensors = dump_optimizer_state(self.optimizer)
+                opt_tensors = [t.clone() for t in opt_tensors]
+                epoch = self.local_epoch
+            # hivemind numbers the new epoch as the step begins, without the lock (state_averager.py, step):
+            # a step that began while this copied can have given the old tensors the new number (in a test,
+            # a newcomer announced epoch 37 and held both donors' anchor of 36); copied again once it ended
+            if self._swarm_settled.is_set() and self._swarm_steps == begun:
+                break
         infos = [
             CompressionInfo.from_tensor(p, key=k, role=TensorRole.PARAMETER)
             for p, k in zip(params, self.parameter_names, strict=True)
@@ -520,16 +531,11 @@ def read_soon_while_speeds_unknown(tracker: Any, below: float = 1e-6) -> None:
         return
     from hivemind.utils import get_dht_time
 
-    def speed(entry: Any) -> float:
-        value = getattr(entry, "value", None)
-        number = value.get("samples_per_second") if isinstance(value, dict) else None
-        return float(number) if isinstance(number, int | float) else 0.0
-
     def parsed(metadata: Any) -> Any:
         progress = parse(metadata)
         try:
             entries = metadata.values() if isinstance(metadata, dict) else ()
-            known = sum(speed(e) for e in entries)
+            known = sum(_record_speed(e) for e in entries)
             if progress.num_peers and known < below:
                 soon = get_dht_time() + tracker.min_refresh_period
                 progress.next_fetch_time = min(progress.next_fetch_time, soon)
@@ -539,6 +545,13 @@ def read_soon_while_speeds_unknown(tracker: Any, below: float = 1e-6) -> None:
 
     parsed._swarm_reads_soon = True  # type: ignore[attr-defined]
     tracker._parse_swarm_progress_data = parsed
+
+
+def _record_speed(entry: Any) -> float:
+    """The speed (samples/s) in one record of the swarm's progress as the DHT returns it; 0 if unreadable."""
+    value = getattr(entry, "value", None)
+    number = value.get("samples_per_second") if isinstance(value, dict) else None
+    return float(number) if isinstance(number, int | float) else 0.0
 
 
 def read_within(tracker: Any, seconds: float) -> None:

@@ -246,4 +246,5 @@ def test_diloco_peers_end_each_outer_step_equal_and_a_newcomer_loads_inner_and_o
         loaded_at,
         c["start_checksum"],
         anchors,
+        late.output()[-4000:],
     )

@@ -566,6 +566,51 @@ def test_a_state_download_waits_for_the_donors_epoch_step_or_asks_another(dhts):
             averager.shutdown()
 
 
+def test_a_step_that_begins_while_the_donor_copies_its_state_is_not_sent_with_the_old_tensors(dhts):
+    """hivemind numbers the new epoch as an epoch's step begins, before the update and without the tensor lock
+    (state_averager.py, ``step``). A download that had passed the "step ended" check and then copied while
+    the next step began sent the new epoch's number with the old tensors (in a DiLoCo test a newcomer
+    announced epoch 37 and held both donors' anchor of 36). Here the copy waits for the lock, the step begins
+    and numbers epoch 1, the copy proceeds, and only then does the step update: what A serves must be epoch
+    1's parameters, copied again once the step ended."""
+    (node_a,) = dhts(1)
+    net = torch.nn.Linear(4, 3)
+    (a,) = _state_averagers(
+        [node_a], [net], "pytest-rounds-copy-race", next_chunk_timeout=20.0, custom_gradients=True
+    )
+    averagers.lock_updates(a, a.optimizer)  # the update holds the lock, as the strategy installs it
+    for p in net.parameters():
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in net.parameters()]
+    served: list = []
+    trigger = threading.Event()
+    copier = threading.Thread(target=lambda: served.append(a.get_current_state()), daemon=True)
+    stepper = threading.Thread(
+        target=lambda: a.step(increment_epoch=True, optimizer_step=True, wait_for_trigger=trigger.wait),
+        daemon=True,
+    )
+    try:
+        with a.lock_averaged_tensors:
+            copier.start()  # passes the "step ended" check, then waits for the lock
+            time.sleep(0.5)
+            stepper.start()
+            assert wait_until(lambda: a.local_epoch == 1, timeout=10)
+        time.sleep(0.5)  # the copier has the lock now; the update waits for the trigger
+        trigger.set()
+        stepper.join(timeout=20)
+        copier.join(timeout=20)
+        assert not stepper.is_alive() and served, "the step or the copy did not end"
+        after = [p.detach().clone() for p in net.parameters()]
+        assert all(not torch.equal(x, y) for x, y in zip(before, after, strict=True))  # the step updated
+        metadata, tensors, _ = served[0]
+        assert metadata["epoch"] == 1
+        for sent, now in zip(tensors, after, strict=False):
+            torch.testing.assert_close(sent, now)
+    finally:
+        trigger.set()
+        a.shutdown()
+
+
 def test_a_round_starts_when_the_last_ones_control_is_still_there(dhts):
     """When no round was pre-scheduled for this epoch, hivemind.Optimizer still holds the previous round's
     control, drops it as "already used elsewhere", and starts no round at all (its groupmates then waited

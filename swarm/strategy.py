@@ -331,6 +331,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         averagers.download_the_epoch_it_names(self.hivemind_opt)
         averagers.throttle_progress_reports(self.hivemind_opt.tracker, self.report_every)
         averagers.read_soon_while_speeds_unknown(self.hivemind_opt.tracker)
+        if self.diloco is None:  # a DiLoCo peer takes its H local steps; an estimate would cut them short
+            averagers.expect_the_swarm(self.hivemind_opt.tracker)
         averagers.screen_rounds(self.hivemind_opt, self.screen, self._on_rejected_round)
         self.clock = RoundClock(self.hivemind_opt, swarm_optimizer)
         # after the clock: a skipped state round is not timed as one

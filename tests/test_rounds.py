@@ -768,3 +768,34 @@ def test_a_peer_that_waits_for_the_swarm_reads_its_progress_again_within_min_ref
         assert wait_until(waiting_turn, timeout=20, interval=0.02), "A still waits for the planned read"
         assert time.monotonic() - began < 20
         assert a.global_progress.samples_accumulated >= target
+
+
+def test_a_new_epoch_expects_the_swarm_at_the_speed_of_the_last_read(dhts):
+    """Item 15: hivemind starts every epoch with the estimate "never", so until its next read a peer counts
+    only its own samples, and with epochs shorter than a read apart each peer computed most of the target
+    alone. A reads both records (A 30, B 50 samples/s); at its next epoch it expects the swarm's 400 samples
+    5 s later (400 / 80), where hivemind expects them never."""
+    from hivemind.utils import get_dht_time
+
+    target = 400
+    with _two_trackers(dhts, "pytest-rounds-expect", target) as (a, b):
+        for tracker, speed in ((a, 30.0), (b, 50.0)):
+            averagers.expect_the_swarm(tracker)
+            tracker.performance_ema.samples_per_second = speed
+            tracker.local_progress = tracker._get_local_progress(0, 1)  # a first sample, at that speed
+            tracker.should_report_progress.set()  # the reporter stores the record
+
+        def a_read_both() -> bool:
+            if a.global_progress.num_peers == 2 and a.global_progress.samples_accumulated >= 2:
+                return True
+            a.global_progress.next_fetch_time = get_dht_time()
+            a.global_state_updated.set()
+            return False
+
+        assert wait_until(a_read_both, timeout=20, interval=0.25)
+        with a.pause_updates():  # as hivemind.Optimizer moves to the next epoch; no read comes in between
+            a.update_epoch(1)
+            expected = a.global_progress.eta_next_epoch - get_dht_time()
+            ready = a.ready_to_update_epoch
+        assert expected == pytest.approx(target / 80.0, abs=0.5), expected
+        assert not ready and a.global_progress.samples_accumulated == 0

@@ -171,12 +171,20 @@ def test_a_groupmate_that_never_learnt_of_the_group_is_met_in_the_next_round(pee
     # demo config) does the same thing on its own on a busy machine: a fresh-clone suite saw a second such
     # round 7 epochs after the fault (2026-11-24). Every one of them must skip its state round and be
     # followed by a round that the follower averaged with the leader, which is what item 11 promises.
-    follower_rounds = {r["epoch"]: r for r in follower["rounds"]}
+    # The follower's next round is found by time, not by number: a follower that was two epochs behind
+    # when it was named (a newcomer still catching up: 160 against the leader's 161) numbers the round in
+    # which it meets the leader's 163 as its 162 (hivemind steps one epoch, and a state round lifts the
+    # epoch at most one above its own, item 9), so there was no round 163 to look at (a fresh-clone suite)
+    ended = {h["epoch"]: h["time"] for h in leader["history"]}
+    follower_rounds = sorted(
+        ((h["time"], h["round"]) for h in follower["history"] if h.get("round")), key=lambda x: x[0]
+    )
     assert met, leader["rounds"]
     for r in met:
-        if r["epoch"] >= max(follower_rounds):
+        later = [f for t, f in follower_rounds if t > ended[r["epoch"]]]
+        if not later:
             continue  # named in the last round before the two were stopped: no next round to look at
-        after = follower_rounds.get(r["epoch"] + 1, {})
+        after = later[0]
         averaged_next = after.get("outcome") == "averaged" and after.get("group") == 2
         assert r["state"] == 0.0 and averaged_next, (r, after)
     epochs = [r["epoch"] for r in met]

@@ -543,9 +543,11 @@ def read_soon_while_speeds_unknown(tracker: Any, below: float = 1e-6) -> None:
 
     def parsed(metadata: Any) -> Any:
         progress = parse(metadata)
+        tracker._swarm_last_read = (0.0, 0)  # summed speed of the records, peers: kept for item 15
         try:
             entries = metadata.values() if isinstance(metadata, dict) else ()
             known = sum(_record_speed(e) for e in entries)
+            tracker._swarm_last_read = (known, progress.num_peers)
             if progress.num_peers and known < below:
                 soon = get_dht_time() + tracker.min_refresh_period
                 progress.next_fetch_time = min(progress.next_fetch_time, soon)
@@ -565,34 +567,24 @@ def _record_speed(entry: Any) -> float:
 
 
 def expect_the_swarm(tracker: Any) -> None:
-    """Item 15 of the module docstring, on one running ``ProgressTracker``."""
-    parse, update = tracker._parse_swarm_progress_data, tracker.update_epoch
+    """Item 15 of the module docstring, on one running ``ProgressTracker``; the last read's summed speed is
+    the one that item 14's wrapper (installed here if it is not yet) notes at each read."""
+    read_soon_while_speeds_unknown(tracker)
+    update = tracker.update_epoch
     if getattr(update, "_swarm_expects", False):
         return
     from hivemind.utils import get_dht_time
 
-    last = {"speed": 0.0, "peers": 0}  # the latest read: summed speed of its records, how many peers
-
-    def parsed(metadata: Any) -> Any:
-        progress = parse(metadata)
-        try:
-            entries = metadata.values() if isinstance(metadata, dict) else ()
-            last["speed"], last["peers"] = sum(_record_speed(e) for e in entries), progress.num_peers
-        except Exception:  # an unreadable record: no estimate at the next epoch; never stop the fetcher
-            last["speed"] = 0.0
-            log.debug("Could not sum the speeds in the swarm's progress records", exc_info=True)
-        return progress
-
     def update_epoch(new_epoch: int | None = None) -> int:
         epoch = update(new_epoch)
-        seen, speed = tracker.global_progress, last["speed"]
+        seen, (speed, peers) = tracker.global_progress, getattr(tracker, "_swarm_last_read", (0.0, 0))
         # only a fresh epoch, which hivemind left without an estimate, and only with other peers to count on
-        if seen.epoch == epoch and seen.eta_next_epoch == float("inf") and last["peers"] > 1 and speed > 0:
+        if seen.epoch == epoch and seen.eta_next_epoch == float("inf") and peers > 1 and speed > 0:
             seen.eta_next_epoch = get_dht_time() + tracker.target_batch_size / speed
         return epoch
 
     update_epoch._swarm_expects = True  # type: ignore[attr-defined]
-    tracker._parse_swarm_progress_data, tracker.update_epoch = parsed, update_epoch
+    tracker.update_epoch = update_epoch
 
 
 def read_within(tracker: Any, seconds: float) -> None:

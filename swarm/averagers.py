@@ -140,6 +140,34 @@
    records and, at a new epoch, sets the estimate to the time the swarm needs for the target at that speed:
    the peer steps when the swarm should have the target between them, as it does after a read. The next
    read replaces the estimate as before. Not with DiLoCo, whose peers each take their H local steps.
+16. **A state round whose group already holds one state is skipped.** After a gradient round in which the
+   whole swarm took part, every peer applies the group's averaged gradient to its state, so peers that were
+   equal stay equal, and averaging their parameters and AdamW moments changes nothing: yet with
+   ``average_state_every`` 1 that round took 0.08 of the 0.13 s that ended each round of the scaling
+   benchmark (2026-11-25, run 14). :func:`skip_state_rounds_in_agreement` has each peer send, with its
+   gradient round's all-gather (hivemind's ``gather``), a summary of what its state round would average
+   (each tensor's L1 and L2 norm), a digest of everything else its update depends on (the optimizer's step
+   counters, learning rates, the epoch: :func:`state_summary`), and the number of training peers its
+   tracker counts. The peers' results are equal only to rounding: each adds the delta (average - its own
+   part) that the all-reduce returns to its own part (hivemind/averaging/allreduce.py:210), so norms count
+   as equal within ``AGREEMENT_RTOL`` (1e-6; one AdamW step of the demo model moved its most-moved
+   tensor's norm by 1.7e-2 to 0.67 of it in its first 30 steps). When every groupmate sent the same digest
+   and norms, the group holds at least as many peers as any of them counts, no groupmate was a stranger
+   (item 11) and this peer applied the group's average (not its own gradient after a rejected or failed
+   round), the epoch's state round is skipped. Every member decides from the same gathered data, so the
+   group skips together. Peers that differ (a partial round, a rejected result, a newcomer's first epochs)
+   send different summaries and average their state as before. The summary is taken when the round is
+   scheduled, after the previous epoch's update.
+17. **AdamW's step counters follow the global epoch.** hivemind shares AdamW's step counters with a
+   newcomer but never averages them, and a peer's counter grows only with the updates it ran: one that
+   caught up or took a groupmate's newer epoch (item 9) skipped updates the others ran. At global epoch 60
+   of a demo run the three peers' counters were 58, 60 and 61, so the bias corrections
+   (1 - 0.999^t: 0.0563 against 0.0592) scaled their updates differently by about 2.5 %, although they
+   applied the same averaged gradient to the same state; the state round of every epoch then averaged the
+   difference away (and item 16 never found the group in agreement). :func:`number_steps_by_epoch` sets
+   every counter to the epoch the update comes from just before the update, so that after the step
+   to epoch E every peer's counter is E. Gradient averaging only (DiLoCo's inner counters are each peer's
+   own local steps).
 
 The subclasses keep hivemind's class names: the p2p handlers' names are built from the class name, and must
 match those of other peers.
@@ -148,7 +176,9 @@ match those of other peers.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import math
 import threading
 import time
 from functools import cache
@@ -472,6 +502,25 @@ def lock_updates(state_averager: Any, optimizer: torch.optim.Optimizer) -> list[
     return [optimizer.register_step_pre_hook(acquire), optimizer.register_step_post_hook(release)]
 
 
+def number_steps_by_epoch(state_averager: Any, optimizer: torch.optim.Optimizer) -> Any:
+    """Item 17 of the module docstring: before each update, every ``step`` counter in ``optimizer``'s state
+    is set to the global epoch the update comes from; returns the hook. Register it after
+    :func:`lock_updates`' hooks, so that it runs under the tensor lock."""
+
+    @torch.no_grad()
+    def number(*args: Any) -> None:
+        # hivemind numbers the new epoch before it runs the update (state_averager.py, step then _do)
+        done = float(max(0, state_averager.local_epoch - 1))
+        for state in optimizer.state.values():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                step.fill_(done)
+            elif isinstance(step, int | float):
+                state["step"] = type(step)(done)
+
+    return optimizer.register_step_pre_hook(number)
+
+
 class _ThrottledReports(threading.Event):
     """The tracker's ``should_report_progress``: set at once for a new epoch and for the epoch's first
     samples, otherwise at most once per ``interval`` seconds (a set that comes too early is carried out by
@@ -736,15 +785,124 @@ def meet_strangers_next_round(opt: Any, on_skip: Any = None) -> None:
     opt.state_averager.step = step
 
 
-def screen_rounds(opt: Any, screen: Any, on_rejected: Any) -> None:
+AGREEMENT_RTOL = 1e-6  # item 16: figures this close count as one state (all-reduce rounding is ~1e-7)
+
+
+def state_summary(opt: Any) -> dict[str, Any]:
+    """Item 16: what ``opt``'s state round would average, summarised: ``norms``, each tensor's L1 and L2 norm
+    (parameters, averaged optimizer statistics, extra tensors; float64, one fused call each), and ``exact``,
+    a digest of what else the next update depends on and must match exactly (every one-number tensor of the
+    optimizer's state, such as AdamW's step counters; each group's learning rate and weight decay; the
+    epoch)."""
+    averager = opt.state_averager
+    with torch.no_grad():
+        tensors = [t.detach() for t in averager._local_tensors() if t.is_floating_point() and t.numel()]
+        norms: list[float] = []
+        for order in (1, 2) if tensors else ():
+            norms += torch.stack(torch._foreach_norm(tensors, order, dtype=torch.float64)).cpu().tolist()
+        counters = [
+            float(v)
+            for state in averager.optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor) and v.numel() == 1
+        ]
+    hyper = [float(g.get(k, 0.0)) for g in averager.optimizer.param_groups for k in ("lr", "weight_decay")]
+    exact = hashlib.blake2b(digest_size=16)
+    exact.update(torch.tensor(counters + hyper, dtype=torch.float64).numpy().tobytes())
+    exact.update(str(opt.local_epoch).encode())
+    return {"norms": norms, "exact": exact.digest()}
+
+
+def in_agreement(gathered: Any, rtol: float = AGREEMENT_RTOL) -> bool:
+    """Item 16: whether a gradient round's all-gather shows one state across a group of the whole swarm:
+    the same ``exact`` digest, every norm within ``rtol`` of the first groupmate's, and a group at least as
+    large as any member's count of training peers. ``gathered`` maps each groupmate to what it sent
+    (``{"state": state_summary or None, "peers": int}``); anything malformed counts as disagreement."""
+    if not isinstance(gathered, dict) or len(gathered) < 2 or getattr(gathered, "strangers", None):
+        return False
+    sent = list(gathered.values())
+    states = []
+    for data in sent:
+        if not isinstance(data, dict) or type(data.get("peers")) is not int:
+            return False
+        state = data.get("state")
+        if not (
+            isinstance(state, dict)
+            and isinstance(state.get("exact"), bytes)
+            and isinstance(state.get("norms"), list | tuple)
+            and all(type(x) is float and math.isfinite(x) for x in state["norms"])
+        ):
+            return False
+        states.append(state)
+    first = states[0]
+    for state in states[1:]:
+        if state["exact"] != first["exact"] or len(state["norms"]) != len(first["norms"]):
+            return False
+        pairs = zip(state["norms"], first["norms"], strict=True)
+        if any(abs(x - y) > rtol * max(abs(x), abs(y)) for x, y in pairs):
+            return False
+    return len(sent) >= max(data["peers"] for data in sent)
+
+
+def skip_state_rounds_in_agreement(opt: Any, on_skip: Any = None) -> None:
+    """Item 16 of the module docstring, on one ``hivemind.Optimizer`` whose gradient averager this module
+    built (a plain one sends no digest, and its peer never skips). ``on_skip(epoch, group)`` is told."""
+    averager, state_step = opt.grad_averager, opt.state_averager.step
+    if not isinstance(averager, _KeepsLocalGradients):
+        return
+
+    def gather() -> dict[str, Any]:
+        due = (opt.local_epoch + 1) % opt.average_state_every == 0
+        return {"state": state_summary(opt) if due else None, "peers": opt.tracker.global_progress.num_peers}
+
+    averager.swarm_gather = gather
+    average = opt._average_gradients_and_load_into_optimizer
+    agreed: list[int] = []
+
+    def own_results() -> tuple[int, int]:  # rounds in which this peer did not apply the group's average
+        screen = getattr(opt.state_averager, "screen", None)
+        return averager.local_fallbacks, screen.rejected_gradient_rounds if screen is not None else 0
+
+    def average_noting_agreement(control: Any) -> Any:
+        agreed.clear()
+        before = own_results()
+        try:
+            return average(control)
+        finally:
+            if (
+                control is not None
+                and control.done()
+                and not control.cancelled()
+                and control.exception() is None
+                and own_results() == before
+                and in_agreement(control.result())
+            ):
+                agreed.append(len(control.result()))
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        if agreed and kwargs.get("increment_epoch"):
+            group = agreed.pop()
+            if kwargs.get("averaging_round") and kwargs.get("averaging_control") is None:
+                kwargs.update(averaging_round=False, averaging_opts=None)
+                if on_skip is not None:
+                    on_skip(opt.local_epoch + 1, group)
+        return state_step(*args, **kwargs)
+
+    opt._average_gradients_and_load_into_optimizer = average_noting_agreement
+    opt.state_averager.step = step
+
+
+def screen_rounds(opt: Any, screen: Any, on_rejected: Any, own_scale: Any = None) -> None:
     """Item 7 of the module docstring, on one ``hivemind.Optimizer`` built by this module's averagers.
-    ``on_rejected(kind, reason, samples)`` is called for each rejected round (kind "gradient" or "state")."""
+    ``on_rejected(kind, reason, samples)`` is called for each rejected round (kind "gradient" or "state");
+    ``own_scale()``, if given, is the factor on this peer's own gradient norm for the round being judged."""
     load, averager = opt._load_averaged_gradients_into_optimizer_, opt.grad_averager
 
     def load_screened() -> None:
         if averager is not None and getattr(averager, "holds_round_result", False):
             with torch.no_grad(), averager.get_tensors() as averaged:
-                reason = screen.judge_gradients(averaged, averager._own_grads)
+                scale = 1.0 if own_scale is None else own_scale()
+                reason = screen.judge_gradients(averaged, averager._own_grads, own_scale=scale)
             if reason is not None:
                 averager.use_own_gradients()
                 on_rejected("gradient", reason, averager._own_samples)
@@ -772,6 +930,13 @@ class _KeepsLocalGradients:
         self.local_fallbacks = 0
         self._own_grads, self._own_samples, self._own_valid = None, 0, False
         self.on_local_fallback = None  # called with the number of samples the fallback step used
+
+    def schedule_step(self, *args: Any, **kwargs: Any) -> Any:
+        # every round hivemind.Optimizer starts goes through here (optimizer.py, pre-scheduled or not)
+        gather = getattr(self, "swarm_gather", None)
+        if gather is not None and kwargs.get("gather") is None:
+            kwargs["gather"] = gather()
+        return super().schedule_step(*args, **kwargs)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         # hivemind's step loads the accumulators into the averaged tensors, then (reset_accumulators=True)

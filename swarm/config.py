@@ -161,6 +161,10 @@ class SwarmConfig:
     close_groups: bool = True
     """Start an averaging round as soon as every peer that reports progress has joined the group, instead
     of waiting the whole matchmaking_time (hivemind's default; false restores it, for comparisons)."""
+    skip_agreed_state_rounds: bool = True
+    """Skip an epoch's state round when the gradient round showed that every peer of the swarm already
+    holds the same parameters, optimizer statistics and epoch (swarm/averagers.py item 16); false averages
+    the state at every ``average_state_every``-th epoch regardless, for comparisons."""
     report_every: float = 0.25
     """Seconds between two of this peer's progress records in the DHT within a global epoch (a new epoch and
     its first samples go at once); 0 stores one after every step, as hivemind does. 0.25 halves the DHT

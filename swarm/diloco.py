@@ -140,6 +140,15 @@ class DiLoCo:
             "inner_step": float(self.extra_tensors[0]),
         }
 
+    def pseudo_gradient_scale(self) -> float:
+        """How much longer an honest peer's pseudo-gradient of this round can be than this peer's: H / the
+        inner steps this peer took (at least 1). Each inner AdamW step moves the parameters by about the
+        same length, so the sum of H steps is at most about H times one step's (the triangle inequality).
+        A newcomer that joins a round after 1 inner step, while the others took 16, offers a pseudo-gradient
+        about 16x shorter than the group's mean; the round screen (swarm/screen.py) multiplies its own norm
+        by this, or it would reject that honest round."""
+        return self.local_steps / self.steps if 0 < self.steps < self.local_steps else 1.0
+
     def after_inner_step(self, batch_size: int) -> bool:
         """Count one inner step; run the outer step when due. True if the global epoch advanced."""
         opt = self.opt

@@ -15,7 +15,8 @@ round failed; this peer's own gradient of the round, see swarm/averagers.py) or 
 ``strangers`` counts the groupmates that never learnt of this peer's gradient group (swarm/averagers.py item
 11: the state round of that epoch is skipped). ``rejected`` lists the averaged results this peer's screen
 refused in the round (``gradient``, ``state``; see swarm/screen.py): a rejected gradient round also steps on
-this peer's own gradient.
+this peer's own gradient. ``agreed`` is true when the epoch's state round was skipped because the whole
+group already held one state (swarm/averagers.py item 16).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class RoundClock:
         self.parts = dict.fromkeys(PARTS, 0.0)
         self.outcome, self.group, self.strangers = "alone", 1, 0
         self.rejected: list[str] = []
+        self.agreed = False
 
     # ---- wrappers ---------------------------------------------------------------------------------------
     def _marked_round(self, method: Callable[..., Any]) -> Callable[..., Any]:
@@ -124,6 +126,7 @@ class RoundClock:
             "group": self.group,
             "strangers": self.strangers,
             "rejected": self.rejected,
+            "agreed": self.agreed,
         }
         self.rounds.append(record)
         self._reset()
@@ -141,6 +144,7 @@ class RoundClock:
             out[outcome] = sum(r["outcome"] == outcome for r in rounds)
         out["rejected"] = sum(bool(r.get("rejected")) for r in rounds)
         out["met_strangers"] = sum(r.get("strangers", 0) > 0 for r in rounds)
+        out["state_skipped_in_agreement"] = sum(bool(r.get("agreed")) for r in rounds)
         return out
 
     def close(self) -> None:

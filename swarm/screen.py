@@ -64,16 +64,22 @@ class RoundScreen:
     def _outsized(self, norm: float, reference: float) -> bool:
         return self.factor > 0 and reference > 0 and norm > self.factor * reference
 
-    def judge_gradients(self, averaged: Sequence[torch.Tensor], own: Sequence[torch.Tensor]) -> str | None:
-        """None if the averaged gradient may be applied, else why not (with the figures)."""
+    def judge_gradients(
+        self, averaged: Sequence[torch.Tensor], own: Sequence[torch.Tensor], own_scale: float = 1.0
+    ) -> str | None:
+        """None if the averaged gradient may be applied, else why not (with the figures). ``own_scale``
+        multiplies this peer's own norm where its share of the round was shorter than an honest peer's can
+        be (a DiLoCo peer that took fewer inner steps than the others: swarm/diloco.py)."""
         norm, mine = total_norm(averaged), total_norm(own)
-        reference = max([mine] + ([statistics.median(self.norms)] if self.norms else []))
+        reference = max([mine * own_scale] + ([statistics.median(self.norms)] if self.norms else []))
         if not math.isfinite(norm):
             reason = f"the averaged gradient is non-finite (norm {norm})"
         elif self._outsized(norm, reference):
             reason = (
                 f"the averaged gradient's norm {norm:.3g} is {norm / reference:.0f}x this peer's reference "
-                f"{reference:.3g} (own gradient {mine:.3g}; the limit is {self.factor:g}x)"
+                f"{reference:.3g} (own gradient {mine:.3g}"
+                + (f" x {own_scale:.3g}" if own_scale != 1.0 else "")
+                + f"; the limit is {self.factor:g}x)"
             )
         else:
             self.norms.append(norm)

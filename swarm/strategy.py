@@ -121,6 +121,8 @@ class HivemindStrategy(SingleDeviceStrategy):
             (hivemind's own default waits the whole ``matchmaking_time``; see swarm/averagers.py).
         report_every: seconds between two progress records in the DHT within a global epoch (hivemind
             stores one after every step; 0 restores that). A new epoch is reported at once.
+        skip_agreed_state_rounds: skip a state round when the gradient round showed the whole swarm holding
+            one state already (gradient averaging only; see swarm/averagers.py item 16).
         optimizer_kwargs: passed on to ``hivemind.Optimizer``.
     """
 
@@ -153,6 +155,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         close_groups_early: bool = True,
         report_every: float = 0.25,
         reject_factor: float = 10.0,
+        skip_agreed_state_rounds: bool = True,
         **optimizer_kwargs: Any,
     ) -> None:
         super().__init__(device=device)
@@ -166,6 +169,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.resyncs = 0  # state downloads after a fault
         self.local_fallback_steps = 0  # failed gradient rounds: this peer stepped on its own gradient
         self.close_groups_early, self.report_every = close_groups_early, report_every
+        self.skip_agreed_state_rounds = skip_agreed_state_rounds
+        self.agreed_state_rounds = 0  # state rounds skipped because the swarm held one state already
         self.screen = RoundScreen(reject_factor)  # judges every averaged result (swarm/screen.py)
         self._nonfinite_in_row = 0  # local steps in a row with non-finite gradients
         self.clock: RoundClock | None = None
@@ -227,6 +232,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             close_groups_early=swarm.close_groups,
             report_every=swarm.report_every,
             reject_factor=swarm.reject_factor,
+            skip_agreed_state_rounds=swarm.skip_agreed_state_rounds,
         )
         return cls(dht=dht, batch_size=batch_size, **{**fields, **kwargs})
 
@@ -333,12 +339,23 @@ class HivemindStrategy(SingleDeviceStrategy):
         averagers.read_soon_while_speeds_unknown(self.hivemind_opt.tracker)
         if self.diloco is None:  # a DiLoCo peer takes its H local steps; an estimate would cut them short
             averagers.expect_the_swarm(self.hivemind_opt.tracker)
-        averagers.screen_rounds(self.hivemind_opt, self.screen, self._on_rejected_round)
+        averagers.screen_rounds(
+            self.hivemind_opt,
+            self.screen,
+            self._on_rejected_round,
+            own_scale=None if self.diloco is None else self.diloco.pseudo_gradient_scale,
+        )
         self.clock = RoundClock(self.hivemind_opt, swarm_optimizer)
         # after the clock: a skipped state round is not timed as one
         averagers.meet_strangers_next_round(self.hivemind_opt, self._on_strangers)
+        if self.diloco is None and self.skip_agreed_state_rounds:  # DiLoCo peers' inner states always differ
+            averagers.skip_state_rounds_in_agreement(self.hivemind_opt, self._on_agreed_state)
         # after the guard's and the clock's hooks: the guard's rollback happens under the lock too
         self._update_hooks = averagers.lock_updates(self.hivemind_opt.state_averager, swarm_optimizer)
+        if self.diloco is None:  # after the lock's hook: the counters change under the lock
+            self._update_hooks.append(
+                averagers.number_steps_by_epoch(self.hivemind_opt.state_averager, swarm_optimizer)
+            )
         if hasattr(self.hivemind_opt.grad_averager, "on_local_fallback"):
             self.hivemind_opt.grad_averager.on_local_fallback = self._on_local_fallback
         if sigint is not None:
@@ -446,6 +463,12 @@ class HivemindStrategy(SingleDeviceStrategy):
             samples,
             self.local_fallback_steps,
         )
+
+    def _on_agreed_state(self, epoch: int, group: int) -> None:
+        self.agreed_state_rounds += 1
+        if self.clock is not None:
+            self.clock.agreed = True
+        log.debug("The %d peers of global epoch %d's round hold one state: no state round", group, epoch)
 
     def _on_strangers(self, epoch: int, strangers: frozenset) -> None:
         log.info(

@@ -231,6 +231,11 @@ def test_diloco_peers_end_each_outer_step_equal_and_a_newcomer_loads_inner_and_o
         anchors = [s["checksums"][str(h["epoch"])] for h in s["history"] if str(h["epoch"]) in s["checksums"]]
         repeats = sum(x == pytest.approx(y, rel=1e-6) for x, y in zip(anchors, anchors[1:], strict=False))
         assert len(anchors) >= 3 and repeats <= 1, anchors
+    # an honest swarm's averaged pseudo-gradients pass every peer's screen, the newcomer's too: it joins its
+    # first outer round after a few inner steps, with a pseudo-gradient many times shorter than the others'
+    # (before DiLoCo.pseudo_gradient_scale it rejected that round: "rejected: ['gradient']")
+    screened = {p.name: s["rejected_gradient_rounds"] for p, s in zip(trio, (a, b, c), strict=True)}
+    assert not any(screened.values()), (screened, late.output()[-3000:])
     # the newcomer started from the swarm's anchor with the swarm's outer momentum and inner AdamW moments
     loaded = c["diloco_loaded"]
     assert (

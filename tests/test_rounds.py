@@ -20,8 +20,9 @@ from hivemind.compression import CompressionInfo, TensorRole
 from hivemind.optim.grad_averager import GradientAverager
 
 from swarm import averagers
+from swarm.diloco import DiLoCo
 from swarm.procs import remove_stale_sockets, start_group, stop_group
-from swarm.screen import RoundScreen
+from swarm.screen import RoundScreen, total_norm
 from swarm.waiting import wait_until
 
 PROGRESS_ONLY = """
@@ -310,53 +311,232 @@ def _gradients(net: torch.nn.Module, scale: float, seed: int) -> list[torch.Tens
     return [p.grad.detach().clone() for p in net.parameters()]
 
 
-def test_an_outsized_averaged_gradient_is_rejected_for_the_peers_own(dhts):
-    """A averages with B, whose averager speaks the swarm's packed format (swarm/averagers.py item 3) but has
-    no screen. In the first round B is honest and A applies the exact mean; in the second B's gradient is
-    10,000 times too large, and A's screen puts A's own gradient where the mean was, counts the round and
-    says why. (A plain hivemind GradientAverager cannot average with the swarm's packed parts at all: its
-    round fails with "received 0.0% results".)"""
+@contextmanager
+def _screened_gradient_pair(dhts, prefix: str, own_scale=None):
+    """A (the swarm's round averager, its screen wired by ``screen_rounds``) and B, whose averager speaks the
+    swarm's packed format (swarm/averagers.py item 3) but has no screen, on two real DHT nodes. Yields
+    (nets, averagers, opt, screen, rejected, loaded); ``opt`` carries the two attributes of hivemind.Optimizer
+    that screen_rounds wraps, and ``loaded`` counts the calls of hivemind's own loading after the screen."""
     node_a, node_b = dhts(2)
     torch.manual_seed(0)
-    net_a, net_b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
-    common = dict(
-        prefix="pytest-rounds-screen", min_matchmaking_time=MATCHMAKING, request_timeout=1.5, start=True
-    )
+    net_a = torch.nn.Linear(4, 3)
+    net_b = torch.nn.Linear(4, 3)
+    net_b.load_state_dict(net_a.state_dict())  # the same gradients at the same seed
+    common = dict(prefix=prefix, min_matchmaking_time=MATCHMAKING, request_timeout=1.5, start=True)
     a = averagers.keeping_local_gradients(GradientAverager)(list(net_a.parameters()), dht=node_a, **common)
     b = averagers.packing(GradientAverager)(list(net_b.parameters()), dht=node_b, **common)
     screen, rejected, loaded = RoundScreen(10.0), [], []
-    # the two attributes of hivemind.Optimizer that screen_rounds wraps; the averagers and the screen are real
     opt = SimpleNamespace(
         grad_averager=a,
         state_averager=SimpleNamespace(),
         _load_averaged_gradients_into_optimizer_=lambda: loaded.append(True),
     )
-    averagers.screen_rounds(opt, screen, lambda *args: rejected.append(args))
+    averagers.screen_rounds(opt, screen, lambda *args: rejected.append(args), own_scale=own_scale)
     try:
         for averager in (a, b):
             averagers.set_target_group_size(averager, 2)
-        for round_no, scale in enumerate((1.0, 1e4)):
-            own = _gradients(net_a, 1.0, seed=round_no)
-            a.accumulate_grads_(batch_size=4)
-            theirs = _gradients(net_b, scale, seed=10 + round_no)
-            b.accumulate_grads_(batch_size=4)
-            controls = [x.step(wait=False, timeout=MATCHMAKING + 10) for x in (a, b)]
-            assert all(len(c.result(timeout=MATCHMAKING - 5)) == 2 for c in controls)
-            opt._load_averaged_gradients_into_optimizer_()
-            expected = [(g + h) / 2 for g, h in zip(own, theirs, strict=True)] if round_no == 0 else own
-            with a.get_tensors() as got:
-                for g, e in zip(got, expected, strict=True):
-                    torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
-            for x in (a, b):
-                x.notify_used_averaged_gradients()
+        yield (net_a, net_b), (a, b), opt, screen, rejected, loaded
+    finally:
+        for averager in (a, b):
+            averager.shutdown()
+
+
+def _screened_round(pair, a_grads: tuple[float, int], b_grads: tuple[float, int], seed: int, b_seed: int):
+    """One real round of the pair: A and B accumulate the gradients of their batches (drawn with ``seed``
+    and ``b_seed``) times (scale, batch size) each; then A's screened loading runs. Returns A's own gradient
+    and B's."""
+    (net_a, net_b), (a, b), opt, *_ = pair
+    own = _gradients(net_a, a_grads[0], seed=seed)
+    a.accumulate_grads_(batch_size=a_grads[1])
+    theirs = _gradients(net_b, b_grads[0], seed=b_seed)
+    b.accumulate_grads_(batch_size=b_grads[1])
+    controls = [x.step(wait=False, timeout=MATCHMAKING + 10) for x in (a, b)]
+    assert all(len(c.result(timeout=MATCHMAKING - 5)) == 2 for c in controls)
+    opt._load_averaged_gradients_into_optimizer_()
+    return own, theirs
+
+
+def _assert_a_holds(pair, expected: list[torch.Tensor]) -> None:
+    (_, (a, b), *_) = pair
+    with a.get_tensors() as got:
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    for x in (a, b):
+        x.notify_used_averaged_gradients()
+
+
+def test_an_outsized_averaged_gradient_is_rejected_for_the_peers_own(dhts):
+    """In the first round B is honest and A applies the exact mean; in the second B's gradient is 10,000
+    times too large, and A's screen puts A's own gradient where the mean was, counts the round and says why.
+    (A plain hivemind GradientAverager cannot average with the swarm's packed parts at all: its round fails
+    with "received 0.0% results".)"""
+    with _screened_gradient_pair(dhts, "pytest-rounds-screen") as pair:
+        *_, screen, rejected, loaded = pair
+        own, theirs = _screened_round(pair, (1.0, 4), (1.0, 4), seed=0, b_seed=10)
+        _assert_a_holds(pair, [(g + h) / 2 for g, h in zip(own, theirs, strict=True)])
+        own, _ = _screened_round(pair, (1.0, 4), (1e4, 4), seed=1, b_seed=11)
+        _assert_a_holds(pair, own)
         assert len(loaded) == 2  # hivemind's own loading ran after the screen, both times
         assert screen.rejected_gradient_rounds == 1 and len(screen.norms) == 1, screen.__dict__
         ((kind, reason, samples),) = rejected
         assert kind == "gradient" and samples == 4, rejected
         assert "x this peer's reference" in reason and "the limit is 10x" in reason, reason
+
+
+def test_a_diloco_peer_after_one_inner_step_accepts_the_mean_of_peers_that_took_sixteen(dhts):
+    """A DiLoCo newcomer joins its first outer round after 1 inner step while B took 16 (H = 16): B's
+    pseudo-gradient is 16 times A's, and the mean weighted by samples (1 and 16 batches) is 257/17 = 15.1
+    times A's own, past the screen's 10x. Scaled by H / steps taken (DiLoCo.pseudo_gradient_scale), A
+    accepts that honest mean; B 10,000 times too large is still rejected. Without the scale A rejected the
+    first round (seen in the DiLoCo test's summaries, 2026-11-25: ``rejected: ['gradient']``)."""
+    inner = torch.optim.AdamW(torch.nn.Linear(4, 3).parameters())
+    diloco = DiLoCo(inner, local_steps=16, outer_lr=0.7, outer_momentum=0.9)
+    diloco.steps = 1
+    assert diloco.pseudo_gradient_scale() == 16.0
+    with _screened_gradient_pair(dhts, "pytest-rounds-diloco-screen", diloco.pseudo_gradient_scale) as pair:
+        *_, screen, rejected, loaded = pair
+        own, theirs = _screened_round(pair, (1.0, 1), (16.0, 16), seed=0, b_seed=0)  # one direction
+        mean = [(g + 16 * h) / 17 for g, h in zip(own, theirs, strict=True)]
+        assert 15 < total_norm(mean) / total_norm(own) < 15.2  # what the unscaled screen rejected
+        _assert_a_holds(pair, mean)
+        assert not rejected and screen.rejected_gradient_rounds == 0, rejected
+        own, _ = _screened_round(pair, (1.0, 1), (1.6e5, 16), seed=1, b_seed=1)
+        _assert_a_holds(pair, own)
+        ((kind, reason, samples),) = rejected
+        assert kind == "gradient" and samples == 1 and "x 16" in reason, rejected
+        assert len(loaded) == 2
+
+
+def test_a_state_round_is_skipped_only_when_the_whole_group_sent_one_state(dhts):
+    """Item 16 on real averagers: A and B each hold the swarm's gradient averager and state averager over a
+    net; their gradient rounds carry each one's state digest and tracker count in hivemind's all-gather.
+    Equal nets: both skip the epoch's state round (they would average equal tensors). B's weight moved by
+    1e-3: both hold it. Equal again, but B's tracker counts a third peer that is not in the group: both hold
+    it. The state steps are recorded with what hivemind.Optimizer would pass, not run."""
+    nodes = dhts(2)
+    torch.manual_seed(0)
+    nets = [torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    states = _state_averagers(nodes, nets, "pytest-rounds-agree-state")
+    common = dict(
+        prefix="pytest-rounds-agree", min_matchmaking_time=MATCHMAKING, request_timeout=1.5, start=True
+    )
+    grads = [
+        averagers.keeping_local_gradients(GradientAverager)(list(net.parameters()), dht=node, **common)
+        for net, node in zip(nets, nodes, strict=True)
+    ]
+    held: list[list[dict]] = [[], []]  # each peer's state steps: their keyword arguments
+    skipped: list[list[tuple]] = [[], []]
+    opts = []
+    for i in range(2):
+        states[i].step = lambda *args, _i=i, **kwargs: held[_i].append(kwargs)
+        opt = SimpleNamespace(
+            local_epoch=0,
+            average_state_every=1,
+            grad_averager=grads[i],
+            state_averager=states[i],
+            tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=2)),
+            _average_gradients_and_load_into_optimizer=lambda control: control.result(timeout=MATCHMAKING),
+        )
+        averagers.skip_state_rounds_in_agreement(opt, lambda *args, _i=i: skipped[_i].append(args))
+        opts.append(opt)
+
+    def one_round() -> list[bool]:
+        """A gradient round of both, then each one's epoch step as hivemind.Optimizer calls it: whether
+        the state round was held, per peer."""
+        for net, averager, seed in zip(nets, grads, (0, 1), strict=True):
+            _gradients(net, 1.0, seed=seed)
+            averager.accumulate_grads_(batch_size=4)
+        controls = [averager.step(wait=False, timeout=MATCHMAKING + 10) for averager in grads]
+        for opt, control in zip(opts, controls, strict=True):
+            assert len(opt._average_gradients_and_load_into_optimizer(control)) == 2
+        for opt, averager in zip(opts, grads, strict=True):
+            opt.state_averager.step(
+                increment_epoch=True, optimizer_step=True, averaging_round=True, averaging_opts={"timeout": 9}
+            )
+            averager.notify_used_averaged_gradients()
+        return [h.pop()["averaging_round"] for h in held]
+
+    try:
+        for averager in grads:
+            averagers.set_target_group_size(averager, 2)
+        assert averagers.state_summary(opts[0]) == averagers.state_summary(opts[1])
+        assert one_round() == [False, False]
+        assert skipped == [[(1, 2)], [(1, 2)]], skipped
+        with torch.no_grad():
+            nets[1].weight[0, 0] += 1e-3
+        assert averagers.state_summary(opts[0]) != averagers.state_summary(opts[1])
+        assert one_round() == [True, True]
+        with torch.no_grad():
+            nets[1].weight.copy_(nets[0].weight)
+        opts[1].tracker.global_progress.num_peers = 3
+        assert one_round() == [True, True]
+        assert len(skipped[0]) == len(skipped[1]) == 1, skipped
     finally:
-        for averager in (a, b):
+        for averager in (*grads, *states):
             averager.shutdown()
+
+
+def test_only_one_well_formed_state_across_a_whole_group_counts_as_agreement():
+    """in_agreement (item 16) reads what groupmates sent: norms equal to rounding (1e-6), the same exact
+    digest, a group of all the peers any member counts; anything malformed is disagreement."""
+    state = {"norms": [3.0, 1.5, 2.0, 0.0], "exact": b"d" * 16}
+    one = {"state": state, "peers": 2}
+
+    def other(**changes: object) -> dict:
+        return {**one, "state": {**state, **changes}}
+
+    assert averagers.in_agreement({"a": one, "b": dict(one)})
+    assert averagers.in_agreement({"a": one, "b": other(norms=[3.0 * (1 + 5e-7), 1.5, 2.0, 0.0])})
+    assert not averagers.in_agreement({"a": one, "b": other(norms=[3.0 * (1 + 2e-6), 1.5, 2.0, 0.0])})
+    assert not averagers.in_agreement({"a": one, "b": other(norms=[3.0, 1.5, 2.0, 1e-30])})
+    assert not averagers.in_agreement({"a": one, "b": other(norms=[3.0, 1.5, 2.0])})
+    assert not averagers.in_agreement({"a": one, "b": other(exact=b"e" * 16)})  # e.g. another epoch
+    assert not averagers.in_agreement({"a": one})  # alone
+    assert not averagers.in_agreement({"a": one, "b": {**one, "peers": 3}})  # B counts one more peer
+    assert not averagers.in_agreement({"a": one, "b": {**one, "state": None}})  # not a state epoch for B
+    malformed = (
+        None,
+        "state",
+        7,
+        [one],
+        {**one, "peers": True},
+        {**one, "peers": "2"},
+        other(norms=[3.0, 1.5, 2.0, float("nan")]),
+        other(norms=[3, 1.5, 2.0, 0.0]),
+        other(norms="3.0"),
+        other(exact="d" * 16),
+    )
+    for junk in malformed:
+        assert not averagers.in_agreement({"a": one, "b": junk}), junk
+    assert not averagers.in_agreement(averagers.Gathered.without({"a": one, "b": one, "c": one}, {"c"}))
+
+
+def test_peers_whose_adamw_counted_different_steps_take_the_same_update_at_one_epoch():
+    """Item 17: two peers with the same parameters, AdamW moments and gradient but step counters 58 and 61
+    (as three demo peers' were at global epoch 60: 58, 60, 61) update differently through AdamW's bias
+    correction; with number_steps_by_epoch both count the epoch the update comes from, and update alike."""
+
+    def peer(counter: int, numbered: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        net = torch.nn.Linear(4, 3)
+        opt = torch.optim.AdamW(net.parameters(), lr=0.003, weight_decay=0.05)
+        _gradients(net, 1.0, seed=0)
+        opt.step()  # moments exist
+        for state in opt.state.values():
+            state["step"].fill_(counter)
+        _gradients(net, 1.0, seed=1)
+        if numbered:  # the state averager has numbered the new epoch 61 when the update runs
+            averagers.number_steps_by_epoch(SimpleNamespace(local_epoch=61), opt)
+        opt.step()
+        return net, opt
+
+    for numbered in (False, True):
+        (a, opt_a), (b, opt_b) = peer(58, numbered), peer(61, numbered)
+        same = all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+        assert same == numbered, numbered
+    steps = {float(state["step"]) for o in (opt_a, opt_b) for state in o.state.values()}
+    assert steps == {61.0}, steps
 
 
 def test_an_outsized_averaged_state_is_rejected_and_the_peer_keeps_its_own(dhts):

@@ -1,9 +1,10 @@
 """``scaling``: K swarm peers against K-rank DDP (gloo) and one process, all through the real CLI, with the
 demo model, 32 samples per worker and step, and a global batch of 2048 (64 per-step batches): samples/s, the
 ratios, and the time that ends each round (median, and split in summary.json). The demo's config averages
-the parameters every global epoch; the same swarm then runs with them averaged every 10th (the flagship's
-``average_state_every``), then with hivemind's own matchmaking (groups wait ``matchmaking_time``), then DiLoCo
-with H local steps over 10 outer rounds."""
+the parameters every global epoch, skipped when the whole group already holds one state (swarm/averagers.py
+item 16); the same swarm then runs with every one of those state rounds held, then with them averaged every
+10th (the flagship's ``average_state_every``), then with hivemind's own matchmaking (groups wait
+``matchmaking_time``), then DiLoCo with H local steps over 10 outer rounds."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ def run(bench: Bench, opts: Options, batch: int = 32, per_round: int = 64) -> No
     single = local(bench, f"bench-scaling-{stamp}", "single", 1, shared)
     ddp = local(bench, f"bench-scaling-{stamp}", "ddp", peers, shared)
     grads = swarm(bench, f"bench-scaling-swarm-{stamp}", peers, shared)
+    # every state round held, even where the group holds one state already (before item 16)
+    held = {"SWARM_SKIP_AGREED_STATE_ROUNDS": "0"}
+    allstate = swarm(bench, f"bench-scaling-allstate-{stamp}", peers, shared, held)
     state10 = swarm(bench, f"bench-scaling-state10-{stamp}", peers, [*shared, "--average-state-every", "10"])
     # the same with hivemind's own matchmaking: a group waits the whole matchmaking_time before it averages
     waiting = swarm(bench, f"bench-scaling-wait-{stamp}", peers, shared, {"SWARM_CLOSE_GROUPS": "0"})
@@ -39,6 +43,7 @@ def run(bench: Bench, opts: Options, batch: int = 32, per_round: int = 64) -> No
     single_sps, ddp_sps = single["samples_per_second"], ddp["samples_per_second"]
     runs = (
         ("swarm", grads, target),
+        ("swarm-allstate", allstate, target),
         ("swarm-state10", state10, target),
         ("swarm-wait", waiting, target),
         ("diloco", diloco, diloco_target),
@@ -80,6 +85,10 @@ def run(bench: Bench, opts: Options, batch: int = 32, per_round: int = 64) -> No
                 "single_seconds_per_round": round(tgt / single_sps, 3),
                 "round_end_seconds_median": _median_end(sums),
                 "local_fallback_steps": sum(s.get("local_fallback_steps", 0) for s in sums),
+                # state rounds skipped because the group held one state (item 16), per peer
+                "state_rounds_skipped": [
+                    (s.get("round_ends") or {}).get("state_skipped_in_agreement") for s in sums
+                ],
                 "close_groups": name != "swarm-wait",
                 "diloco_waiting_seconds_per_round": round(
                     sum(s.get("seconds_waiting_for_the_swarm", 0.0) for s in sums) / len(sums) / rounds_done,
@@ -106,6 +115,7 @@ def line(r: dict[str, Any]) -> str:
 
 def summary_table(rows: list[dict[str, Any]]) -> str:
     names = {
+        "swarm-allstate": "swarm, every state round held (none skipped in agreement)",
         "swarm-state10": "swarm, parameters averaged every 10th epoch (the flagship's config)",
         "swarm-wait": "swarm, groups wait matchmaking_time (hivemind's default)",
     }

@@ -756,33 +756,41 @@ def never_cancel_rounds(opt: Any) -> None:
     opt._begin_averaging_gradients = begin_without_cancelling
 
 
-def meet_strangers_next_round(opt: Any, on_skip: Any = None) -> None:
-    """Item 11 of the module docstring, on one ``hivemind.Optimizer`` instance: after a gradient round whose
-    result names strangers, that epoch's state round is skipped. ``on_skip(epoch, strangers)`` is told."""
+def _skip_state_rounds_after(opt: Any, note: Any, on_skip: Any, before: Any = lambda: None) -> None:
+    """Items 11 and 16: after each finished gradient round, ``note(gathered, before())`` (``before`` called as
+    the round began) says why the epoch's state round is to be skipped, or None; the state round (one not
+    pre-scheduled) is then skipped and ``on_skip(epoch, why)`` told."""
     average, state_step = opt._average_gradients_and_load_into_optimizer, opt.state_averager.step
-    pending: list[frozenset] = []
+    pending: list[Any] = []
 
-    def average_noting_strangers(control: Any) -> Any:
+    def average_noting(control: Any) -> Any:
         pending.clear()
+        then = before()
         try:
             return average(control)
         finally:
             if control is not None and control.done() and not control.cancelled() and not control.exception():
-                strangers = getattr(control.result(), "strangers", None)
-                if strangers:
-                    pending.append(strangers)
+                why = note(control.result(), then)
+                if why is not None:
+                    pending.append(why)
 
     def step(*args: Any, **kwargs: Any) -> Any:
         if pending and kwargs.get("increment_epoch"):
-            strangers = pending.pop()
+            why = pending.pop()
             if kwargs.get("averaging_round") and kwargs.get("averaging_control") is None:
                 kwargs.update(averaging_round=False, averaging_opts=None)
                 if on_skip is not None:
-                    on_skip(opt.local_epoch + 1, strangers)
+                    on_skip(opt.local_epoch + 1, why)
         return state_step(*args, **kwargs)
 
-    opt._average_gradients_and_load_into_optimizer = average_noting_strangers
+    opt._average_gradients_and_load_into_optimizer = average_noting
     opt.state_averager.step = step
+
+
+def meet_strangers_next_round(opt: Any, on_skip: Any = None) -> None:
+    """Item 11 of the module docstring, on one ``hivemind.Optimizer`` instance: after a gradient round whose
+    result names strangers, that epoch's state round is skipped. ``on_skip(epoch, strangers)`` is told."""
+    _skip_state_rounds_after(opt, lambda gathered, _: getattr(gathered, "strangers", None) or None, on_skip)
 
 
 AGREEMENT_RTOL = 1e-6  # item 16: figures this close count as one state (all-reduce rounding is ~1e-7)
@@ -847,7 +855,7 @@ def in_agreement(gathered: Any, rtol: float = AGREEMENT_RTOL) -> bool:
 def skip_state_rounds_in_agreement(opt: Any, on_skip: Any = None) -> None:
     """Item 16 of the module docstring, on one ``hivemind.Optimizer`` whose gradient averager this module
     built (a plain one sends no digest, and its peer never skips). ``on_skip(epoch, group)`` is told."""
-    averager, state_step = opt.grad_averager, opt.state_averager.step
+    averager = opt.grad_averager
     if not isinstance(averager, _KeepsLocalGradients):
         return
 
@@ -856,40 +864,15 @@ def skip_state_rounds_in_agreement(opt: Any, on_skip: Any = None) -> None:
         return {"state": state_summary(opt) if due else None, "peers": opt.tracker.global_progress.num_peers}
 
     averager.swarm_gather = gather
-    average = opt._average_gradients_and_load_into_optimizer
-    agreed: list[int] = []
 
     def own_results() -> tuple[int, int]:  # rounds in which this peer did not apply the group's average
         screen = getattr(opt.state_averager, "screen", None)
         return averager.local_fallbacks, screen.rejected_gradient_rounds if screen is not None else 0
 
-    def average_noting_agreement(control: Any) -> Any:
-        agreed.clear()
-        before = own_results()
-        try:
-            return average(control)
-        finally:
-            if (
-                control is not None
-                and control.done()
-                and not control.cancelled()
-                and control.exception() is None
-                and own_results() == before
-                and in_agreement(control.result())
-            ):
-                agreed.append(len(control.result()))
+    def note(gathered: Any, before: tuple[int, int]) -> int | None:
+        return len(gathered) if own_results() == before and in_agreement(gathered) else None
 
-    def step(*args: Any, **kwargs: Any) -> Any:
-        if agreed and kwargs.get("increment_epoch"):
-            group = agreed.pop()
-            if kwargs.get("averaging_round") and kwargs.get("averaging_control") is None:
-                kwargs.update(averaging_round=False, averaging_opts=None)
-                if on_skip is not None:
-                    on_skip(opt.local_epoch + 1, group)
-        return state_step(*args, **kwargs)
-
-    opt._average_gradients_and_load_into_optimizer = average_noting_agreement
-    opt.state_averager.step = step
+    _skip_state_rounds_after(opt, note, on_skip, before=own_results)
 
 
 def screen_rounds(opt: Any, screen: Any, on_rejected: Any, own_scale: Any = None) -> None:

@@ -157,7 +157,9 @@
    round), the epoch's state round is skipped. Every member decides from the same gathered data, so the
    group skips together. Peers that differ (a partial round, a rejected result, a newcomer's first epochs)
    send different summaries and average their state as before. The summary is taken when the round is
-   scheduled, after the previous epoch's update.
+   scheduled, after the previous epoch's update. With DiLoCo the extra tensors (each peer's inner AdamW
+   state, which in the paper is never averaged and always differs between peers) are left out of the
+   summary: a group that holds one anchor skips the round and each peer keeps its own inner moments.
 17. **AdamW's step counters follow the global epoch.** hivemind shares AdamW's step counters with a
    newcomer but never averages them, and a peer's counter grows only with the updates it ran: one that
    caught up or took a groupmate's newer epoch (item 9) skipped updates the others ran. At global epoch 60
@@ -796,15 +798,18 @@ def meet_strangers_next_round(opt: Any, on_skip: Any = None) -> None:
 AGREEMENT_RTOL = 1e-6  # item 16: figures this close count as one state (all-reduce rounding is ~1e-7)
 
 
-def state_summary(opt: Any) -> dict[str, Any]:
+def state_summary(opt: Any, local_extras: bool = False) -> dict[str, Any]:
     """Item 16: what ``opt``'s state round would average, summarised: ``norms``, each tensor's L1 and L2 norm
-    (parameters, averaged optimizer statistics, extra tensors; float64, one fused call each), and ``exact``,
-    a digest of what else the next update depends on and must match exactly (every one-number tensor of the
-    optimizer's state, such as AdamW's step counters; each group's learning rate and weight decay; the
-    epoch)."""
+    (parameters, averaged optimizer statistics, extra tensors unless ``local_extras``; float64, one fused call
+    each), and ``exact``, a digest of what else the next update depends on and must match exactly (every
+    one-number tensor of the optimizer's state, such as AdamW's step counters; each group's learning rate and
+    weight decay; the epoch)."""
     averager = opt.state_averager
     with torch.no_grad():
-        tensors = [t.detach() for t in averager._local_tensors() if t.is_floating_point() and t.numel()]
+        shared = list(averager._local_tensors())  # parameters, statistics, then the extra tensors (last)
+        if local_extras:
+            shared = shared[: len(shared) - len(averager.extra_tensors)]
+        tensors = [t.detach() for t in shared if t.is_floating_point() and t.numel()]
         norms: list[float] = []
         for order in (1, 2) if tensors else ():
             norms += torch.stack(torch._foreach_norm(tensors, order, dtype=torch.float64)).cpu().tolist()
@@ -852,16 +857,19 @@ def in_agreement(gathered: Any, rtol: float = AGREEMENT_RTOL) -> bool:
     return len(sent) >= max(data["peers"] for data in sent)
 
 
-def skip_state_rounds_in_agreement(opt: Any, on_skip: Any = None) -> None:
+def skip_state_rounds_in_agreement(opt: Any, on_skip: Any = None, local_extras: bool = False) -> None:
     """Item 16 of the module docstring, on one ``hivemind.Optimizer`` whose gradient averager this module
-    built (a plain one sends no digest, and its peer never skips). ``on_skip(epoch, group)`` is told."""
+    built (a plain one sends no digest, and its peer never skips). ``on_skip(epoch, group)`` is told. With
+    ``local_extras`` (DiLoCo: the extra tensors are each peer's inner AdamW state) agreement is judged without
+    the extra tensors, and a skipped round leaves them as each peer has them."""
     averager = opt.grad_averager
     if not isinstance(averager, _KeepsLocalGradients):
         return
 
     def gather() -> dict[str, Any]:
         due = (opt.local_epoch + 1) % opt.average_state_every == 0
-        return {"state": state_summary(opt) if due else None, "peers": opt.tracker.global_progress.num_peers}
+        summary = state_summary(opt, local_extras) if due else None
+        return {"state": summary, "peers": opt.tracker.global_progress.num_peers}
 
     averager.swarm_gather = gather
 

@@ -348,8 +348,10 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.clock = RoundClock(self.hivemind_opt, swarm_optimizer)
         # after the clock: a skipped state round is not timed as one
         averagers.meet_strangers_next_round(self.hivemind_opt, self._on_strangers)
-        if self.diloco is None and self.skip_agreed_state_rounds:  # DiLoCo peers' inner states always differ
-            averagers.skip_state_rounds_in_agreement(self.hivemind_opt, self._on_agreed_state)
+        if self.skip_agreed_state_rounds:  # DiLoCo: agreement on anchors and outer momentum (item 16)
+            averagers.skip_state_rounds_in_agreement(
+                self.hivemind_opt, self._on_agreed_state, local_extras=self.diloco is not None
+            )
         # after the guard's and the clock's hooks: the guard's rollback happens under the lock too
         self._update_hooks = averagers.lock_updates(self.hivemind_opt.state_averager, swarm_optimizer)
         if self.diloco is None:  # after the lock's hook: the counters change under the lock

@@ -18,6 +18,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import CompressionInfo, TensorRole
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.state_averager import TrainingStateAverager
 
 from swarm import averagers
 from swarm.diloco import DiLoCo
@@ -475,6 +476,42 @@ def test_a_state_round_is_skipped_only_when_the_whole_group_sent_one_state(dhts)
     finally:
         for averager in (*grads, *states):
             averager.shutdown()
+
+
+def test_diloco_peers_with_one_anchor_agree_whatever_their_own_inner_adamw_state(dhts):
+    """Item 16 for DiLoCo: the state averager also shares each peer's inner AdamW state (extra tensors),
+    which in the paper stays each worker's own. Peers holding one anchor but different inner moments agree
+    when the extra tensors are left out of the summary (and only then); a different anchor never agrees."""
+    nodes = dhts(2)
+    torch.manual_seed(0)
+    nets = [torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    inner = [[torch.full((3, 4), float(i + 1)), torch.tensor(float(10 * i))] for i in range(2)]
+    states = [
+        averagers._state_averager_class(TrainingStateAverager)(
+            dht=node,
+            params=net.parameters(),
+            prefix="pytest-rounds-diloco-agree",
+            optimizer=partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
+            extra_tensors=extra,
+            start=True,
+        )
+        for node, net, extra in zip(nodes, nets, inner, strict=True)
+    ]
+    opts = [SimpleNamespace(state_averager=state, local_epoch=3) for state in states]
+    try:
+        shared, local = (
+            [averagers.state_summary(opt, local_extras=flag) for opt in opts] for flag in (False, True)
+        )
+        assert not averagers.in_agreement({i: {"state": s, "peers": 2} for i, s in enumerate(shared)})
+        assert averagers.in_agreement({i: {"state": s, "peers": 2} for i, s in enumerate(local)})
+        with torch.no_grad():
+            nets[1].bias[0] += 1e-3
+        moved = [averagers.state_summary(opt, local_extras=True) for opt in opts]
+        assert not averagers.in_agreement({i: {"state": s, "peers": 2} for i, s in enumerate(moved)})
+    finally:
+        for state in states:
+            state.shutdown()
 
 
 def test_only_one_well_formed_state_across_a_whole_group_counts_as_agreement():

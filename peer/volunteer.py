@@ -31,6 +31,7 @@ from swarm.strategy import HivemindStrategy, lr_of
 from swarm.sysmetrics import GpuSampler
 
 log = logging.getLogger(__name__)
+READ_METRICS_EVERY = 1.0  # seconds between a peer's reads of the swarm's metrics records (progress line)
 
 
 class SwarmReporter(L.Callback):
@@ -55,7 +56,8 @@ class SwarmReporter(L.Callback):
         self.last_val: dict[str, Any] | None = None
         self.start_checksum: list[float] | None = None
         self._warned: set = set()
-        self._reading: Any = None  # the DHT read of the swarm's metrics records in flight
+        # the DHT read of the swarm's metrics records in flight, the epoch it started at, and when
+        self._reading: tuple[Any, int, float] | None = None
         self.publisher: ConfigPublisher | None = None
         invite = getattr(strategy.dht, "swarm_invite", None)  # loaded and checked once, by start_dht
         self.invite_expires = invite.certificate.expires if invite is not None else None
@@ -234,7 +236,9 @@ class SwarmReporter(L.Callback):
             **_round_fields(entry.get("round")),
         )
         # the swarm's records are read in the background: the answer to a read started at an earlier
-        # epoch is used once it is there (waiting for it held up training by about 50 ms per epoch)
+        # epoch is used once it is there (waiting for it held up training by about 50 ms per epoch). They
+        # only feed the swarm's speed on the progress line, so they are read at most every READ_METRICS_EVERY
+        # seconds, not at every epoch (2 reads a second with the scaling bench's 0.45 s epochs)
         reading, records = self._reading, None
         try:
             metrics.publish(
@@ -244,16 +248,17 @@ class SwarmReporter(L.Callback):
                 record,
                 self.cfg.swarm.metrics_expiration,
             )
-            if reading is None or reading.done():
-                self._reading = metrics.request(self.strategy.dht, self.cfg.swarm.run_id)
-            if reading is not None and reading.done():
-                records = metrics.parse_fetched(reading.result(), self._warned)
+            if reading is None or (reading[0].done() and time.time() - reading[2] >= READ_METRICS_EVERY):
+                future = metrics.request(self.strategy.dht, self.cfg.swarm.run_id)
+                self._reading = (future, int(entry["epoch"]), time.time())
+            if reading is not None and reading[0].done() and self._reading is not reading:
+                records = metrics.parse_fetched(reading[0].result(), self._warned)
         except Exception as exc:  # metrics are best effort; training goes on
             log.warning("Could not exchange metrics with the DHT: %s", exc)
             return
         if records is None:
             return
-        fresh = [r for r in records.values() if r.global_epoch >= entry["epoch"] - 2]
+        fresh = [r for r in records.values() if r.global_epoch >= reading[1] - 2]
         self.swarm_sps = sum(r.samples_per_second for r in fresh) if fresh else None
 
     def _progress_line(self, module: L.LightningModule) -> None:

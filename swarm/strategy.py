@@ -289,17 +289,24 @@ class HivemindStrategy(SingleDeviceStrategy):
         self._members = fence.attach(self.dht)  # invite-only: fenced averagers (a no-op if the role did it)
         inner = self.optimizers[0]
         self.guard = StateGuard([p for group in inner.param_groups for p in group["params"]], inner)
+        grad_kwargs: dict[str, Any] = dict(request_timeout=self.request_timeout)
+        if self.compression.mode != "powersgd":
+            # Nobody downloads a plain gradient averager's state (hivemind.Optimizer fetches it after the
+            # state averager's and drops it, optimizer.py:697), yet as a donor it stored a declaration in
+            # the DHT at every global epoch: 4 of the 30 DHT requests a second of a scaling-bench peer.
+            # PowerSGD's averager shares its Q buffers that way and keeps doing so.
+            grad_kwargs["allow_state_sharing"] = False
         if self.faults is not None:
             if self.compression.mode == "powersgd":
                 raise MisconfigurationException(
                     "fault injection cannot be combined with powersgd compression"
                 )
             factory = self.faults.grad_averager_factory(
-                averagers.keeping_local_gradients(GradientAverager), request_timeout=self.request_timeout
+                averagers.keeping_local_gradients(GradientAverager), **grad_kwargs
             )
         else:
             factory = averagers.round_averager(
-                self.compression.grad_averager_factory(GradientAverager, request_timeout=self.request_timeout)
+                self.compression.grad_averager_factory(GradientAverager, **grad_kwargs)
             )
         statistics: tuple[str, ...] = ()
         if self.averaging == "diloco":

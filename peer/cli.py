@@ -720,9 +720,9 @@ if __name__ == "__main__":
 @click.option(
     "--samples",
     type=click.IntRange(256),
-    default=4096,
-    show_default=True,
-    help="comm: samples per mode (DiLoCo: at least 2 outer steps); parity: samples per run.",
+    default=None,
+    help="comm: samples per mode (DiLoCo: at least 2 outer steps) [default: 4096]; parity: samples per run "
+    "[default: 16384].",
 )
 @click.option(
     "--local-steps", type=click.IntRange(1), default=50, show_default=True, help="scaling, comm: DiLoCo's H."

@@ -15,8 +15,8 @@ STATE_EVERY = 10  # every mode averages the parameters (state) every 10th global
 
 
 def run(bench: Bench, opts: Options, batch: int = 32) -> None:
-    samples, local_steps = opts.samples, opts.local_steps
     """Two peers per mode, ``samples`` training samples in all (both peers together)."""
+    samples, local_steps = opts.samples or 4096, opts.local_steps
     for mode in MODES:
         diloco = mode.startswith("diloco")
         # gradients: a global epoch every 128 samples (the demo's target); DiLoCo: 2 peers x H x batch

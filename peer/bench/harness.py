@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 class Options:
     """What the CLI's options set for the scenarios (each reads the ones it needs)."""
 
-    samples: int = 4096
+    samples: int | None = None  # None: the scenario's own default
     local_steps: int = 50
     peers: int = 2
     step_batch: int = 256

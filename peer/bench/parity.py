@@ -96,7 +96,8 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
             return "-"
         text = f"{100 * (r['swarm_val_acc'] - r['single_val_acc']):+.1f} points"
         if r.get("paired_difference_sem") is not None:  # rows from 2026-11-25 on
-            text += f" (per seed {100 * r['paired_difference']:+.1f} +- {100 * r['paired_difference_sem']:.1f})"
+            paired, sem = 100 * r["paired_difference"], 100 * r["paired_difference_sem"]
+            text += f" (per seed {paired:+.1f} +- {sem:.1f})"
         return text
 
     header = [

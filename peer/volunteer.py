@@ -251,8 +251,8 @@ class SwarmReporter(L.Callback):
             if reading is None or (reading[0].done() and time.time() - reading[2] >= READ_METRICS_EVERY):
                 future = metrics.request(self.strategy.dht, self.cfg.swarm.run_id)
                 self._reading = (future, int(entry["epoch"]), time.time())
-            if reading is not None and reading[0].done() and self._reading is not reading:
-                records = metrics.parse_fetched(reading[0].result(), self._warned)
+                if reading is not None:
+                    records = metrics.parse_fetched(reading[0].result(), self._warned)
         except Exception as exc:  # metrics are best effort; training goes on
             log.warning("Could not exchange metrics with the DHT: %s", exc)
             return

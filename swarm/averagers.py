@@ -159,7 +159,10 @@
    send different summaries and average their state as before. The summary is taken when the round is
    scheduled, after the previous epoch's update. With DiLoCo the extra tensors (each peer's inner AdamW
    state, which in the paper is never averaged and always differs between peers) are left out of the
-   summary: a group that holds one anchor skips the round and each peer keeps its own inner moments.
+   summary: a group that holds one anchor skips the round and each peer keeps its own inner moments. The
+   outer momentum, which the state round does not average, is in the summary: peers whose momenta differ
+   would part at the next outer step (seen in a fresh-clone test: anchors equal after every held round and
+   1e-4 apart after every skipped one).
 17. **AdamW's step counters follow the global epoch.** hivemind shares AdamW's step counters with a
    newcomer but never averages them, and a peer's counter grows only with the updates it ran: one that
    caught up or took a groupmate's newer epoch (item 9) skipped updates the others ran. At global epoch 60
@@ -800,15 +803,25 @@ AGREEMENT_RTOL = 1e-6  # item 16: figures this close count as one state (all-red
 
 def state_summary(opt: Any, local_extras: bool = False) -> dict[str, Any]:
     """Item 16: what ``opt``'s state round would average, summarised: ``norms``, each tensor's L1 and L2 norm
-    (parameters, averaged optimizer statistics, extra tensors unless ``local_extras``; float64, one fused call
-    each), and ``exact``, a digest of what else the next update depends on and must match exactly (every
-    one-number tensor of the optimizer's state, such as AdamW's step counters; each group's learning rate and
-    weight decay; the epoch)."""
+    (parameters, averaged optimizer statistics, extra tensors unless ``local_extras``, and the optimizer's
+    other state tensors, such as SGD's momentum; float64, one fused call each), and ``exact``, a digest of
+    what else the next update depends on and must match exactly (every one-number tensor of the optimizer's
+    state, such as AdamW's step counters; each group's learning rate and weight decay; the epoch)."""
     averager = opt.state_averager
     with torch.no_grad():
         shared = list(averager._local_tensors())  # parameters, statistics, then the extra tensors (last)
         if local_extras:
             shared = shared[: len(shared) - len(averager.extra_tensors)]
+        # and the optimizer's state that the round does not average but the next update reads: DiLoCo's outer
+        # momentum (average_opt_statistics is empty there). Left out, peers that agreed on the anchors took
+        # outer steps with different momenta and parted right after every skipped round
+        known = {id(t) for t in shared}
+        shared += [
+            v
+            for state in averager.optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor) and v.numel() > 1 and id(v) not in known
+        ]
         tensors = [t.detach() for t in shared if t.is_floating_point() and t.numel()]
         norms: list[float] = []
         for order in (1, 2) if tensors else ():

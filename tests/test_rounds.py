@@ -481,7 +481,8 @@ def test_a_state_round_is_skipped_only_when_the_whole_group_sent_one_state(dhts)
 def test_diloco_peers_with_one_anchor_agree_whatever_their_own_inner_adamw_state(dhts):
     """Item 16 for DiLoCo: the state averager also shares each peer's inner AdamW state (extra tensors),
     which in the paper stays each worker's own. Peers holding one anchor but different inner moments agree
-    when the extra tensors are left out of the summary (and only then); a different anchor never agrees."""
+    when the extra tensors are left out of the summary (and only then); a different anchor or outer momentum
+    never agrees."""
     nodes = dhts(2)
     torch.manual_seed(0)
     nets = [torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)]
@@ -509,6 +510,19 @@ def test_diloco_peers_with_one_anchor_agree_whatever_their_own_inner_adamw_state
             nets[1].bias[0] += 1e-3
         moved = [averagers.state_summary(opt, local_extras=True) for opt in opts]
         assert not averagers.in_agreement({i: {"state": s, "peers": 2} for i, s in enumerate(moved)})
+        # one anchor again, but different outer momenta (never averaged): the next outer steps would part them
+        with torch.no_grad():
+            nets[1].bias.copy_(nets[0].bias)
+        for state, scale in zip(states, (1.0, 2.0), strict=True):
+            for p in state.optimizer.param_groups[0]["params"]:
+                state.optimizer.state[p]["momentum_buffer"] = torch.full_like(p, scale)
+        momenta = [averagers.state_summary(opt, local_extras=True) for opt in opts]
+        assert not averagers.in_agreement({i: {"state": s, "peers": 2} for i, s in enumerate(momenta)})
+        for state in states:
+            for p in state.optimizer.param_groups[0]["params"]:
+                state.optimizer.state[p]["momentum_buffer"].fill_(1.0)
+        same = [averagers.state_summary(opt, local_extras=True) for opt in opts]
+        assert averagers.in_agreement({i: {"state": s, "peers": 2} for i, s in enumerate(same)})
     finally:
         for state in states:
             state.shutdown()

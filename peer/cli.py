@@ -731,6 +731,13 @@ if __name__ == "__main__":
 @click.option("--step-batch", type=click.IntRange(1), default=256, show_default=True, help="step: batch.")
 @click.option("--seeds", type=click.IntRange(1), default=3, show_default=True, help="parity: seeds.")
 @click.option(
+    "--repeats",
+    type=click.IntRange(1),
+    default=3,
+    show_default=True,
+    help="scaling: run the whole comparison this many times; the table gives the medians.",
+)
+@click.option(
     "--wan-mbit",
     type=click.FloatRange(0.1, 10000),
     default=20.0,
@@ -752,6 +759,7 @@ def bench(
     peak_tflops: float | None,
     seeds: int,
     wan_mbit: float,
+    repeats: int,
 ) -> None:
     """Measure on 127.0.0.1: swarm vs DDP scaling, bytes and accuracy per compression mode, a newcomer's join
     time, swarm vs one process at equal batch, and the GPU training step.
@@ -761,7 +769,7 @@ def bench(
     from peer.bench import Options, run_bench
 
     chosen = list(BENCH_SCENARIOS) if "all" in scenarios else list(dict.fromkeys(scenarios))
-    opts = Options(samples, local_steps, peers, step_batch, peak_tflops, seeds, wan_mbit)
+    opts = Options(samples, local_steps, peers, step_batch, peak_tflops, seeds, wan_mbit, repeats)
     run_bench(chosen, Path(out), Path(work_dir), opts)
 
 

@@ -147,3 +147,26 @@ def _netns_list() -> list[str]:
     import subprocess
 
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines()
+
+
+def test_scaling_repeats_are_summarised_by_their_median_and_range(tmp_path):
+    """Each repeat's ratio is against its own DDP run; the summary row per mode is the median of those, with
+    every repeat's figure kept, and the printed table shows the summaries only."""
+    from peer.bench.harness import Bench
+    from peer.bench.scaling import MEDIAN_FIELDS, _summarise, summary_table
+
+    bench = Bench(out=tmp_path / "bench.jsonl", work=tmp_path)
+    base = {"scenario": "scaling", "workers": 2, "batch_per_worker": 32, "target_batch_size": 2048}
+    for repeat, (swarm_ratio, diloco_ratio) in enumerate([(0.99, 0.70), (0.78, 0.83), (0.76, 0.67)]):
+        for mode, ratio in (("swarm", swarm_ratio), ("diloco", diloco_ratio)):
+            figures = dict.fromkeys(MEDIAN_FIELDS, 1.0) | {"vs_ddp": ratio, "round_end_seconds_median": None}
+            bench.record({**base, "mode": mode, "repeat": repeat, "local_steps": 50, **figures})
+    _summarise(bench, list(bench.rows), 3)
+    medians = {r["mode"]: r for r in bench.rows if r["repeat"] == "median"}
+    assert medians["swarm"]["vs_ddp"] == 0.78 and medians["swarm"]["vs_ddp_each"] == [0.99, 0.78, 0.76]
+    assert (medians["diloco"]["vs_ddp_min"], medians["diloco"]["vs_ddp_max"]) == (0.67, 0.83)
+    assert medians["swarm"]["round_end_seconds_median"] is None  # no round recorded: none, not a number
+    written = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
+    assert [r["repeat"] for r in written].count("median") == 2
+    lines = summary_table(bench.rows).splitlines()
+    assert len(lines) == 4 and "0.78 (0.99, 0.78, 0.76)" in lines[2], lines

@@ -29,6 +29,7 @@ class Options:
     peak_tflops: float | None = None
     seeds: int = 3
     wan_mbit: float = 20.0
+    repeats: int = 3
 
 
 def fmt(x: float | None, digits: int = 3) -> str:

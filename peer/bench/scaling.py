@@ -2,9 +2,10 @@
 demo model, 32 samples per worker and step, and a global batch of 2048 (64 per-step batches): samples/s, the
 ratios, and the time that ends each round (median, and split in summary.json). The demo's config averages
 the parameters every global epoch, skipped when the whole group already holds one state (swarm/averagers.py
-item 16); the same swarm then runs with every one of those state rounds held, then with them averaged every
-10th (the flagship's ``average_state_every``), then with hivemind's own matchmaking (groups wait
-``matchmaking_time``), then DiLoCo with H local steps over 10 outer rounds."""
+item 16); DiLoCo with H local steps follows, over 20 outer rounds; then the same swarm with every one of
+those state rounds held, then with them averaged every 10th (the flagship's ``average_state_every``), then
+with hivemind's own matchmaking (groups wait ``matchmaking_time``), and DDP again. All of it ``--repeats``
+times; the table gives the medians."""
 
 from __future__ import annotations
 
@@ -13,34 +14,55 @@ from typing import Any
 
 from peer.bench.harness import Bench, Options, fmt, local, peer_rate, rounds, samples_per_epoch, swarm, table
 
+EPOCHS = 20  # global epochs of each gradient-averaging run: about 10 s of training for 2 peers
+DILOCO_ROUNDS = 20  # outer rounds of the DiLoCo run (the issue asks for at least 10)
+
 
 def run(bench: Bench, opts: Options, batch: int = 32, per_round: int = 64) -> None:
     """K peers vs K-rank DDP vs one process: the demo model, ``batch`` per worker, ``per_round`` per-step
-    batches per global epoch (so that each worker computes per_round / K steps between two averagings)."""
+    batches per global epoch (so that each worker computes per_round / K steps between two averagings).
+
+    The whole sequence runs ``opts.repeats`` times; each repeat's ratios are against that repeat's own
+    one-process and DDP runs, and one more row per mode gives their median and range (this machine is
+    shared: the same code's swarm read 0.99x, 0.78x and 0.76x DDP in three single runs)."""
+    first = len(bench.rows)
+    for repeat in range(opts.repeats):
+        _one_repeat(bench, opts, batch, per_round, repeat)
+    if opts.repeats > 1:
+        _summarise(bench, bench.rows[first:], opts.repeats)
+
+
+def _one_repeat(bench: Bench, opts: Options, batch: int, per_round: int, repeat: int) -> None:
+    """One of each run. DDP runs first and again last, and the ratios are against the mean of the two, so
+    that a load that changes over the repeat's 4 minutes weighs on both sides (one repeat read DDP at 4172
+    samples/s, the next at 4648, the third at 5619, on the same code)."""
     peers, local_steps = opts.peers, opts.local_steps
     target = per_round * batch
-    epochs = 10
     stamp = int(time.time())
-    shared = ["--batch-size", str(batch), "--target-batch-size", str(target), "--max-epochs", str(epochs)]
+    fixed = ["--batch-size", str(batch), "--target-batch-size", str(target)]
+    shared = [*fixed, "--max-epochs", str(EPOCHS)]
     single = local(bench, f"bench-scaling-{stamp}", "single", 1, shared)
     ddp = local(bench, f"bench-scaling-{stamp}", "ddp", peers, shared)
     grads = swarm(bench, f"bench-scaling-swarm-{stamp}", peers, shared)
-    # every state round held, even where the group holds one state already (before item 16)
-    held = {"SWARM_SKIP_AGREED_STATE_ROUNDS": "0"}
-    allstate = swarm(bench, f"bench-scaling-allstate-{stamp}", peers, shared, held)
-    state10 = swarm(bench, f"bench-scaling-state10-{stamp}", peers, [*shared, "--average-state-every", "10"])
-    # the same with hivemind's own matchmaking: a group waits the whole matchmaking_time before it averages
-    waiting = swarm(bench, f"bench-scaling-wait-{stamp}", peers, shared, {"SWARM_CLOSE_GROUPS": "0"})
     diloco_target = peers * local_steps * batch
-    diloco_rounds = 10
     diloco = swarm(
         bench,
         f"bench-scaling-diloco-{stamp}",
         peers,
         ["--batch-size", str(batch), "--target-batch-size", str(diloco_target), "--max-epochs",
-         str(diloco_rounds), "--averaging", "diloco", "--local-steps", str(local_steps)],
+         str(DILOCO_ROUNDS), "--averaging", "diloco", "--local-steps", str(local_steps)],
     )  # fmt: skip
-    single_sps, ddp_sps = single["samples_per_second"], ddp["samples_per_second"]
+    # every state round held, even where the group holds one state already (before item 16)
+    held = {"SWARM_SKIP_AGREED_STATE_ROUNDS": "0"}
+    allstate = swarm(bench, f"bench-scaling-allstate-{stamp}", peers, shared, held)
+    state10 = swarm(bench, f"bench-scaling-state10-{stamp}", peers, [*shared, "--average-state-every", "10"])
+    # the same with hivemind's own matchmaking: a group waits the whole matchmaking_time before it averages
+    # (1.5 s a round: 10 global epochs are enough)
+    wait_args = [*fixed, "--max-epochs", "10"]
+    waiting = swarm(bench, f"bench-scaling-wait-{stamp}", peers, wait_args, {"SWARM_CLOSE_GROUPS": "0"})
+    ddp_after = local(bench, f"bench-scaling-{stamp}-after", "ddp", peers, shared)
+    ddp_each = [ddp["samples_per_second"], ddp_after["samples_per_second"]]
+    single_sps, ddp_sps = single["samples_per_second"], sum(ddp_each) / 2
     runs = (
         ("swarm", grads, target),
         ("swarm-allstate", allstate, target),
@@ -58,6 +80,7 @@ def run(bench: Bench, opts: Options, batch: int = 32, per_round: int = 64) -> No
             {
                 "scenario": "scaling",
                 "mode": name,
+                "repeat": repeat,
                 "workers": peers,
                 "batch_per_worker": batch,
                 "target_batch_size": tgt,
@@ -65,7 +88,8 @@ def run(bench: Bench, opts: Options, batch: int = 32, per_round: int = 64) -> No
                 "global_epochs": rounds_done,
                 "samples_per_second": round(sps, 1),
                 "samples_per_second_per_peer": [round(peer_rate(s), 1) for s in sums],
-                "ddp_samples_per_second": round(ddp_sps, 1),
+                "ddp_samples_per_second": round(ddp_sps, 1),  # the mean of the repeat's two DDP runs
+                "ddp_samples_per_second_each": [round(x, 1) for x in ddp_each],
                 "single_samples_per_second": round(single_sps, 1),
                 "vs_ddp": round(sps / ddp_sps, 3),
                 "vs_k_single": round(sps / (peers * single_sps), 3),
@@ -101,6 +125,51 @@ def run(bench: Bench, opts: Options, batch: int = 32, per_round: int = 64) -> No
         print(line(bench.rows[-1]), flush=True)
 
 
+def _summarise(bench: Bench, rows: list[dict[str, Any]], repeats: int) -> None:
+    """One row per mode: the median over the repeats of its ratios and round ends, with their range."""
+    for name in dict.fromkeys(r["mode"] for r in rows if r["scenario"] == "scaling"):
+        mine = [r for r in rows if r["scenario"] == "scaling" and r["mode"] == name]
+        each = {k: [r[k] for r in mine] for k in MEDIAN_FIELDS}
+        row = {
+            "scenario": "scaling",
+            "mode": name,
+            "repeat": "median",
+            "repeats": len(mine),
+            **{k: mine[0][k] for k in ("workers", "batch_per_worker", "target_batch_size", "local_steps")},
+            **{k: _median(v) for k, v in each.items()},
+            "vs_ddp_each": each["vs_ddp"],
+            "vs_ddp_min": min(each["vs_ddp"]),
+            "vs_ddp_max": max(each["vs_ddp"]),
+        }
+        bench.record(row)
+        print(
+            f"scaling {name:>13} x{row['workers']}: median of {len(mine)} repeats, vs DDP "
+            f"{row['vs_ddp']:.2f}x (each: {', '.join(f'{x:.2f}' for x in each['vs_ddp'])}); median round end "
+            f"{fmt(row['round_end_seconds_median'], 2)} s",
+            flush=True,
+        )
+
+
+def _median(values: list[float | None]) -> float | None:
+    import statistics
+
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 3) if known else None
+
+
+MEDIAN_FIELDS = (
+    "samples_per_second",
+    "ddp_samples_per_second",
+    "single_samples_per_second",
+    "vs_ddp",
+    "vs_ddp_averaged_rounds",
+    "vs_k_single",
+    "seconds_per_round",
+    "round_end_seconds_per_round",
+    "round_end_seconds_median",
+)
+
+
 def line(r: dict[str, Any]) -> str:
     return (
         f"scaling {r['mode']:>13} x{r['workers']}: {r['samples_per_second']:.1f} samples/s; DDP "
@@ -114,6 +183,10 @@ def line(r: dict[str, Any]) -> str:
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:
+    """One line per mode; with several repeats, their medians (vs DDP: median, then each repeat's)."""
+    medians = [r for r in rows if r["scenario"] == "scaling" and r.get("repeat") == "median"]
+    if medians:
+        rows = medians
     names = {
         "swarm-allstate": "swarm, every state round held (none skipped in agreement)",
         "swarm-state10": "swarm, parameters averaged every 10th epoch (the flagship's config)",
@@ -126,7 +199,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
         "samples/s",
         "DDP samples/s",
         "one process samples/s",
-        "vs DDP",
+        "vs DDP (with repeats: median (each))",
         "vs DDP, averaged rounds only",
         "vs K x one",
         "s per round",
@@ -144,14 +217,19 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
             r["samples_per_second"],
             r["ddp_samples_per_second"],
             r["single_samples_per_second"],
-            f"{r['vs_ddp']:.2f}",
-            f"{r['vs_ddp_averaged_rounds']:.2f}",
-            f"{r['vs_k_single']:.2f}",
-            f"{r['seconds_per_round']:.2f}",
-            f"{r['round_end_seconds_per_round']:.2f}",
+            _vs_ddp(r),
+            fmt(r["vs_ddp_averaged_rounds"], 2),
+            fmt(r["vs_k_single"], 2),
+            fmt(r["seconds_per_round"], 2),
+            fmt(r["round_end_seconds_per_round"], 2),
             fmt(r["round_end_seconds_median"], 2),
         ],  # fmt: skip
     )
+
+
+def _vs_ddp(r: dict[str, Any]) -> str:
+    each = r.get("vs_ddp_each")
+    return f"{r['vs_ddp']:.2f}" + (f" ({', '.join(f'{x:.2f}' for x in each)})" if each else "")
 
 
 def _averaged_rate(s: dict[str, Any]) -> float:

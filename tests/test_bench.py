@@ -161,7 +161,7 @@ def test_scaling_repeats_are_summarised_by_their_median_and_range(tmp_path):
         for mode, ratio in (("swarm", swarm_ratio), ("diloco", diloco_ratio)):
             figures = dict.fromkeys(MEDIAN_FIELDS, 1.0) | {"vs_ddp": ratio, "round_end_seconds_median": None}
             bench.record({**base, "mode": mode, "repeat": repeat, "local_steps": 50, **figures})
-    _summarise(bench, list(bench.rows), 3)
+    _summarise(bench, list(bench.rows))
     medians = {r["mode"]: r for r in bench.rows if r["repeat"] == "median"}
     assert medians["swarm"]["vs_ddp"] == 0.78 and medians["swarm"]["vs_ddp_each"] == [0.99, 0.78, 0.76]
     assert (medians["diloco"]["vs_ddp_min"], medians["diloco"]["vs_ddp_max"]) == (0.67, 0.83)

@@ -9,6 +9,7 @@ times; the table gives the medians."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -29,7 +30,7 @@ def run(bench: Bench, opts: Options, batch: int = 32, per_round: int = 64) -> No
     for repeat in range(opts.repeats):
         _one_repeat(bench, opts, batch, per_round, repeat)
     if opts.repeats > 1:
-        _summarise(bench, bench.rows[first:], opts.repeats)
+        _summarise(bench, bench.rows[first:])
 
 
 def _one_repeat(bench: Bench, opts: Options, batch: int, per_round: int, repeat: int) -> None:
@@ -125,7 +126,7 @@ def _one_repeat(bench: Bench, opts: Options, batch: int, per_round: int, repeat:
         print(line(bench.rows[-1]), flush=True)
 
 
-def _summarise(bench: Bench, rows: list[dict[str, Any]], repeats: int) -> None:
+def _summarise(bench: Bench, rows: list[dict[str, Any]]) -> None:
     """One row per mode: the median over the repeats of its ratios and round ends, with their range."""
     for name in dict.fromkeys(r["mode"] for r in rows if r["scenario"] == "scaling"):
         mine = [r for r in rows if r["scenario"] == "scaling" and r["mode"] == name]
@@ -143,16 +144,13 @@ def _summarise(bench: Bench, rows: list[dict[str, Any]], repeats: int) -> None:
         }
         bench.record(row)
         print(
-            f"scaling {name:>13} x{row['workers']}: median of {len(mine)} repeats, vs DDP "
-            f"{row['vs_ddp']:.2f}x (each: {', '.join(f'{x:.2f}' for x in each['vs_ddp'])}); median round end "
-            f"{fmt(row['round_end_seconds_median'], 2)} s",
+            f"scaling {name:>13} x{row['workers']}: median of {len(mine)} repeats, vs DDP {_vs_ddp(row)}; "
+            f"median round end {fmt(row['round_end_seconds_median'], 2)} s",
             flush=True,
         )
 
 
 def _median(values: list[float | None]) -> float | None:
-    import statistics
-
     known = [v for v in values if v is not None]
     return round(statistics.median(known), 3) if known else None
 
@@ -245,7 +243,4 @@ def _averaged_rate(s: dict[str, Any]) -> float:
 
 def _median_end(sums: list[dict[str, Any]]) -> float | None:
     """The median over all peers' rounds of the time that ended a round (swarm/rounds.py)."""
-    import statistics
-
-    ends = [r["end"] for s in sums for r in s.get("rounds", [])]
-    return round(statistics.median(ends), 3) if ends else None
+    return _median([r["end"] for s in sums for r in s.get("rounds", [])])

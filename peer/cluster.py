@@ -41,7 +41,7 @@ from swarm.metrics import (
 )
 from swarm.model import SwarmClassifier, autocast_dtype, local_tensor, param_checksum, resolve_device
 from swarm.procs import DistEnv, dist_env
-from swarm.sysmetrics import GpuSampler
+from swarm.sysmetrics import CpuMeter, GpuSampler
 from swarm.tuning import largest_batch, step_fits
 
 log = logging.getLogger(__name__)
@@ -327,6 +327,7 @@ class LocalReporter(L.Callback):
     # -- training -------------------------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.gpu = GpuSampler(trainer.strategy.root_device).start()
+        self.cpu = CpuMeter().start()
         self.started = self.window_start = self.next_log = time.time()
         self.step = trainer.global_step
         if self.main:
@@ -526,6 +527,7 @@ class LocalReporter(L.Callback):
             "local_parameters": sum(local_tensor(p).numel() for p in module.parameters()),
             "peak_allocated_gb": self.gpu.peak_allocated_gb(),
             "mean_gpu_util": self.gpu.mean_util(),
+            "cpu_seconds": self.cpu.stop(),  # this rank's process ("self"; "helpers" may hold other ranks)
         }
         ranks = [mine]
         if torch.distributed.is_available() and torch.distributed.is_initialized() and trainer.world_size > 1:
@@ -559,6 +561,9 @@ class LocalReporter(L.Callback):
             "samples_per_second": self.samples / train_seconds,
             "peak_allocated_gb": max(peaks) if peaks else None,
             "mean_gpu_util": sum(utils) / len(utils) if utils else None,
+            # CPU seconds of all ranks' processes while they trained (a rank may be another's child, so only
+            # each one's own time counts); None without /proc
+            "cpu_seconds": _ranks_cpu(ranks),
             "val_curve": self.curve,
             "checkpoint_dir": self.ckpt_dir,
             "started_at": self.started,
@@ -575,6 +580,15 @@ class LocalReporter(L.Callback):
             train_seconds,
             self.run_dir / "summary.json",
         )
+
+
+def _ranks_cpu(ranks: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The summed CPU seconds of the ranks' own processes, and the longest rank's wall time."""
+    each = [r.get("cpu_seconds") for r in ranks]
+    if not each or any(c is None for c in each):
+        return None
+    total = round(sum(c["self"] for c in each), 3)
+    return {"self": total, "helpers": 0.0, "wall": max(c["wall"] for c in each)}
 
 
 def join_process_group_of_attempt(plan: Plan, env: DistEnv) -> None:

@@ -28,7 +28,7 @@ from swarm.log import quiet_libraries
 from swarm.model import SwarmClassifier, autocast_dtype, evaluate, param_checksum, resolve_device
 from swarm.procs import GracefulStop, remove_stale_sockets
 from swarm.strategy import HivemindStrategy, lr_of
-from swarm.sysmetrics import GpuSampler
+from swarm.sysmetrics import CpuMeter, GpuSampler
 
 log = logging.getLogger(__name__)
 READ_METRICS_EVERY = 1.0  # seconds between a peer's reads of the swarm's metrics records (progress line)
@@ -50,6 +50,7 @@ class SwarmReporter(L.Callback):
         self.cfg, self.strategy, self.public_key, self.peer_name = cfg, strategy, public_key, peer_name
         self.val_data, self.stop, self.train_images = val_data, stop, train_images
         self.gpu: GpuSampler | None = None
+        self.cpu: CpuMeter | None = None
         self.history: list[dict[str, Any]] = []
         self.checksums: dict[int, list[float]] = {}
         self.swarm_sps: float | None = None
@@ -89,6 +90,7 @@ class SwarmReporter(L.Callback):
                     log.info("%d training peers of the run are ready; starting", seen)
         self.started = time.time()
         self.gpu = GpuSampler(next(module.parameters()).device).start()  # NVML; nothing on a CPU
+        self.cpu = CpuMeter().start()  # this trainer and its helper processes, while it trains
         self.epoch = self.strategy.local_epoch
         self.start_checksum = param_checksum(module)
         self.checksums[self.epoch] = self.start_checksum
@@ -105,6 +107,8 @@ class SwarmReporter(L.Callback):
         self.stop.disarm()  # teardown follows: an interrupt must not cut it short
         if self.gpu is not None:
             self.gpu.stop()
+        if self.cpu is not None:
+            self.cpu.stop()  # before the linger: training only
         self.strategy.leaving = self.stop.event.is_set()
         linger = self.cfg.swarm.linger
         if linger > 0 and not self.stop.event.is_set():  # the averagers still serve our state until teardown
@@ -327,6 +331,9 @@ class SwarmReporter(L.Callback):
             # NVML (swarm/sysmetrics.py); None on a CPU, never 0
             "peak_allocated_gb": self.gpu.peak_allocated_gb() if self.gpu is not None else None,
             "mean_gpu_util": self.gpu.mean_util() if self.gpu is not None else None,
+            # CPU seconds from the first step to the last (swarm/sysmetrics.py): this trainer ("self"), its
+            # DHT process, p2p daemon and averagers ("helpers"), the wall time ("wall"); None without /proc
+            "cpu_seconds": self.cpu.result() if self.cpu is not None else None,
             "skipped_nonfinite_steps": self.strategy.skipped_nonfinite_steps,
             "nonfinite_rollbacks": self.strategy.nonfinite_rollbacks,
             "resyncs": self.strategy.resyncs,

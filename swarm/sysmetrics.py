@@ -1,15 +1,20 @@
-"""GPU memory and utilisation through NVML (nvidia-ml-py), sampled in a background thread.
+"""GPU memory and utilisation through NVML (nvidia-ml-py), sampled in a background thread; CPU time.
 
 This replaces the nvidia-smi dumps people keep by hand: the local trainer logs ``sys/gpu_mem_gb`` (memory
 in use on the device, as nvidia-smi shows it) and ``sys/gpu_util`` (percent of time a kernel ran) once per
 global epoch, and the run's summary keeps the mean utilisation and torch's peak allocated memory.
 On a machine without a GPU or without NVML every figure is None, never zero.
+
+:class:`CpuMeter` counts the CPU seconds a trainer and its helper processes (DHT, p2p daemon, averagers) use
+while it trains, for the benchmark's CPU per sample (a 2-core machine shares its cores between them).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 
 import torch
 
@@ -88,3 +93,67 @@ class GpuSampler:
         if self.device.type != "cuda":
             return None
         return torch.cuda.max_memory_allocated(self.device) / 1e9
+
+
+# ---- CPU time, by process ------------------------------------------------------------------------------
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _proc_stat(pid: int) -> tuple[int, float, float] | None:
+    """(parent pid, own CPU seconds, reaped children's CPU seconds) of ``pid`` from /proc; None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # after the name: state, ppid, ..., utime (14th field of the line), stime, cutime, cstime
+    own = (int(fields[11]) + int(fields[12])) / _TICKS
+    reaped = (int(fields[13]) + int(fields[14])) / _TICKS
+    return int(fields[1]), own, reaped
+
+
+def cpu_seconds() -> dict[str, float] | None:
+    """CPU seconds (user + system, all threads) used so far by this process (``self``) and by its
+    descendants (``helpers``: a peer's DHT process and p2p daemon, its averager processes; live ones from
+    /proc, exited ones through the times their parents reaped). None where /proc is missing (not Linux)."""
+    mine = _proc_stat(os.getpid())
+    if mine is None:
+        return None
+    table: dict[int, tuple[int, float, float]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and (stat := _proc_stat(int(name))) is not None:
+            table[int(name)] = stat
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _, _) in table.items():
+        children.setdefault(parent, []).append(pid)
+    helpers, todo = mine[2], list(children.get(os.getpid(), ()))
+    while todo:
+        pid = todo.pop()
+        _, own, reaped = table[pid]
+        helpers += own + reaped
+        todo += children.get(pid, ())
+    return {"self": mine[1], "helpers": helpers}
+
+
+class CpuMeter:
+    """CPU seconds of this process and of its descendants between ``start()`` and ``stop()``, with the wall
+    time between them: ``result()`` is ``{"self", "helpers", "wall"}`` (None where /proc is missing)."""
+
+    def __init__(self) -> None:
+        self._start: dict[str, float] | None = None
+        self._wall = 0.0
+        self._result: dict[str, float] | None = None
+
+    def start(self) -> CpuMeter:
+        self._start, self._wall = cpu_seconds(), time.monotonic()
+        return self
+
+    def stop(self) -> dict[str, float] | None:
+        end = cpu_seconds()
+        if self._start is not None and end is not None and self._result is None:
+            self._result = {k: round(max(0.0, end[k] - self._start[k]), 3) for k in ("self", "helpers")}
+            self._result["wall"] = round(time.monotonic() - self._wall, 3)
+        return self._result
+
+    def result(self) -> dict[str, float] | None:
+        return self._result

@@ -170,3 +170,41 @@ def test_scaling_repeats_are_summarised_by_their_median_and_range(tmp_path):
     assert [r["repeat"] for r in written].count("median") == 2
     lines = summary_table(bench.rows).splitlines()
     assert len(lines) == 4 and "0.78 (0.99, 0.78, 0.76)" in lines[2], lines
+
+
+def test_cpu_meter_counts_this_process_and_its_helper_processes():
+    """CpuMeter (swarm/sysmetrics.py) splits the CPU time of a window between this process and its
+    descendants: one that burnt CPU and exited (counted through its parent's reaped times), and one that
+    burnt CPU and still runs (counted from /proc), as a peer's DHT process and averagers do."""
+    import subprocess
+    import sys
+    import time
+
+    from swarm.sysmetrics import CpuMeter
+
+    def burn(seconds: float) -> str:
+        return f"import time; t = time.process_time()\nwhile time.process_time() - t < {seconds}: pass\n"
+
+    before = CpuMeter().start()
+    meter = CpuMeter().start()
+    subprocess.run([sys.executable, "-c", burn(0.3)], check=True, timeout=60)
+    live = subprocess.Popen(
+        [sys.executable, "-c", burn(0.3) + "print('burnt', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert live.stdout.readline().strip() == "burnt"
+        start = time.process_time()
+        while time.process_time() - start < 0.2:  # this process's own share
+            pass
+        result = meter.stop()
+    finally:
+        live.kill()
+        live.wait(timeout=30)
+    assert result is not None and result == meter.result()
+    assert 0.2 <= result["self"] < 0.6, result  # the burn, and not the helpers' time
+    assert 0.6 <= result["helpers"] < 1.5, result  # two burns of 0.3 s, plus two interpreters' start-up
+    assert result["wall"] >= 0.5, result
+    assert meter.stop() == result  # a second stop keeps the first window
+    assert before.stop()["helpers"] >= result["helpers"]  # the killed one's time reaches its reaper

@@ -116,6 +116,9 @@ def test_two_rank_ddp_on_cpu(launcher, peers, loopback, tmp_path):
     assert summary["world_size"] == 2 and summary["global_epochs"] == 18, summary
     sums = [r["param_checksum"] for r in summary["ranks"]]
     assert sums[0] == sums[1], f"ranks hold different parameters after training: {sums}"
+    # both ranks' own CPU time while they trained, summed (a rank may be the other's parent: counted once)
+    own = [r["cpu_seconds"]["self"] for r in summary["ranks"]]
+    assert min(own) > 0 and summary["cpu_seconds"]["self"] == pytest.approx(sum(own)), summary["cpu_seconds"]
     cfg = build_config("demo")
     train_set, _ = build_datasets(cfg.data, cfg.model.img_size)
     check_shards(summary, len(train_set))

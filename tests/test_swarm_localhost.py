@@ -89,6 +89,9 @@ def test_peers_train_together(peers, tmp_path):
     # every peer reached global epoch >= 3
     for name, s in summaries.items():
         assert s["final_epoch"] >= 3, (name, s["final_epoch"])
+        # the CPU it and its DHT process, p2p daemon and averagers used while it trained (swarm/sysmetrics.py)
+        cpu = s["cpu_seconds"]
+        assert cpu["self"] > 0 and cpu["helpers"] > 0 and cpu["wall"] > 0, (name, cpu)
 
     # averaging really happened: peers that ended at the same epoch hold the same parameters
     final = max(s["final_epoch"] for s in summaries.values())

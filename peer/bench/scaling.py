@@ -64,6 +64,7 @@ def _one_repeat(bench: Bench, opts: Options, batch: int, per_round: int, repeat:
     ddp_after = local(bench, f"bench-scaling-{stamp}-after", "ddp", peers, shared)
     ddp_each = [ddp["samples_per_second"], ddp_after["samples_per_second"]]
     single_sps, ddp_sps = single["samples_per_second"], sum(ddp_each) / 2
+    ddp_cpu = _mean([_local_cpu_per_sample(ddp), _local_cpu_per_sample(ddp_after)])
     runs = (
         ("swarm", grads, target),
         ("swarm-allstate", allstate, target),
@@ -77,6 +78,7 @@ def _one_repeat(bench: Bench, opts: Options, batch: int, per_round: int, repeat:
         rounds_done = max(rounds(s) for s in sums)
         train = sum(s["train_seconds"] for s in sums) / len(sums)
         ends = sum(s["round_end_seconds"] for s in sums) / len(sums)
+        cpu = _swarm_cpu(sums)
         bench.record(
             {
                 "scenario": "scaling",
@@ -100,6 +102,15 @@ def _one_repeat(bench: Bench, opts: Options, batch: int, per_round: int, repeat:
                 "vs_ddp_averaged_rounds": round(together / ddp_sps, 3),
                 "alone_rounds_per_peer": [s.get("round_ends", {}).get("alone") for s in sums],
                 "ddp_vs_k_single": round(ddp_sps / (peers * single_sps), 3),
+                # CPU microseconds per trained sample, all processes of the run while it trained (a peer's
+                # DHT process, p2p daemon and averagers included; the bootstrap not): on a machine whose
+                # cores are all busy, samples/s follows from these (swarm/sysmetrics.py)
+                "cpu_us_per_sample": cpu["per_sample"],
+                "helpers_cpu_share": cpu["helpers_share"],
+                "cores_busy": cpu["cores"],
+                "ddp_cpu_us_per_sample": ddp_cpu,
+                "single_cpu_us_per_sample": _local_cpu_per_sample(single),
+                "cpu_vs_ddp": _ratio(cpu["per_sample"], ddp_cpu),
                 # what all peers computed per global epoch: about the target when the peers' trackers count
                 # each other's samples, a multiple of it when each peer reaches the target alone
                 "samples_per_global_epoch": round(samples_per_epoch(sums), 1),
@@ -130,7 +141,7 @@ def _summarise(bench: Bench, rows: list[dict[str, Any]]) -> None:
     """One row per mode: the median over the repeats of its ratios and round ends, with their range."""
     for name in dict.fromkeys(r["mode"] for r in rows if r["scenario"] == "scaling"):
         mine = [r for r in rows if r["scenario"] == "scaling" and r["mode"] == name]
-        each = {k: [r[k] for r in mine] for k in MEDIAN_FIELDS}
+        each = {k: [r.get(k) for r in mine] for k in MEDIAN_FIELDS}
         row = {
             "scenario": "scaling",
             "mode": name,
@@ -150,6 +161,39 @@ def _summarise(bench: Bench, rows: list[dict[str, Any]]) -> None:
         )
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(sum(known) / len(known), 1) if known else None
+
+
+def _local_cpu_per_sample(summary: dict[str, Any]) -> float | None:
+    """CPU microseconds per sample of a ``swarm-peer local`` run (all ranks), None if not measured."""
+    cpu = summary.get("cpu_seconds")
+    if not cpu or not summary.get("samples"):
+        return None
+    return round(1e6 * (cpu["self"] + cpu["helpers"]) / summary["samples"], 1)
+
+
+def _swarm_cpu(sums: list[dict[str, Any]]) -> dict[str, float | None]:
+    """CPU microseconds per sample of a swarm run's peers (trainers and their helper processes), the helpers'
+    share of it, and the cores the peers kept busy; None where a peer did not measure."""
+    cpus = [s.get("cpu_seconds") for s in sums]
+    samples = sum(h["samples"] for s in sums for h in s["history"] if h["mini_steps"])
+    if any(c is None for c in cpus) or not samples:
+        return {"per_sample": None, "helpers_share": None, "cores": None}
+    helpers = sum(c["helpers"] for c in cpus)
+    total = sum(c["self"] for c in cpus) + helpers
+    return {
+        "per_sample": round(1e6 * total / samples, 1),
+        "helpers_share": round(helpers / total, 3) if total else None,
+        "cores": round(total / max(c["wall"] for c in cpus), 2),
+    }
+
+
 def _median(values: list[float | None]) -> float | None:
     known = [v for v in values if v is not None]
     return round(statistics.median(known), 3) if known else None
@@ -165,6 +209,11 @@ MEDIAN_FIELDS = (
     "seconds_per_round",
     "round_end_seconds_per_round",
     "round_end_seconds_median",
+    "cpu_us_per_sample",
+    "ddp_cpu_us_per_sample",
+    "single_cpu_us_per_sample",
+    "cpu_vs_ddp",
+    "helpers_cpu_share",
 )
 
 
@@ -176,8 +225,18 @@ def line(r: dict[str, Any]) -> str:
         f"{r['workers']} x single {r['vs_k_single']:.2f}x; per round "
         f"{r['seconds_per_round']:.2f} s of which {r['round_end_seconds_per_round']:.2f} s ending it (median "
         f"{fmt(r['round_end_seconds_median'], 2)} s); {r['samples_per_global_epoch']:.0f} samples per global "
-        f"epoch (target {r['target_batch_size']})"
+        f"epoch (target {r['target_batch_size']}); {_cpu(r)}"
     )
+
+
+def _cpu(r: dict[str, Any]) -> str:
+    """CPU per sample against DDP's, and the helper processes' share of it."""
+    if r.get("cpu_us_per_sample") is None:
+        return "CPU not measured"
+    ddp, single = fmt(r.get("ddp_cpu_us_per_sample"), 0), fmt(r.get("single_cpu_us_per_sample"), 0)
+    helpers = 100 * (r.get("helpers_cpu_share") or 0)
+    mine = r["cpu_us_per_sample"]
+    return f"CPU {mine:.0f} us/sample (DDP {ddp}, one process {single}), helpers {helpers:.0f} %"
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:
@@ -203,6 +262,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
         "s per round",
         "of which ending the round",
         "median round end",
+        "CPU per sample (DDP, one process), helpers' share",
     ]
     return table(
         rows,
@@ -221,6 +281,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
             fmt(r["seconds_per_round"], 2),
             fmt(r["round_end_seconds_per_round"], 2),
             fmt(r["round_end_seconds_median"], 2),
+            _cpu(r).removeprefix("CPU "),
         ],  # fmt: skip
     )
 

@@ -585,10 +585,9 @@ class LocalReporter(L.Callback):
 def _ranks_cpu(ranks: list[dict[str, Any]]) -> dict[str, float] | None:
     """The summed CPU seconds of the ranks' own processes, and the longest rank's wall time."""
     each = [r.get("cpu_seconds") for r in ranks]
-    if not each or any(c is None for c in each):
+    if any(c is None for c in each):
         return None
-    total = round(sum(c["self"] for c in each), 3)
-    return {"self": total, "helpers": 0.0, "wall": max(c["wall"] for c in each)}
+    return {"self": round(sum(c["self"] for c in each), 3), "wall": max(c["wall"] for c in each)}
 
 
 def join_process_group_of_attempt(plan: Plan, env: DistEnv) -> None:

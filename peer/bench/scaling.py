@@ -175,7 +175,7 @@ def _local_cpu_per_sample(summary: dict[str, Any]) -> float | None:
     cpu = summary.get("cpu_seconds")
     if not cpu or not summary.get("samples"):
         return None
-    return round(1e6 * (cpu["self"] + cpu["helpers"]) / summary["samples"], 1)
+    return round(1e6 * cpu["self"] / summary["samples"], 1)
 
 
 def _swarm_cpu(sums: list[dict[str, Any]]) -> dict[str, float | None]:

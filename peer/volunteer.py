@@ -306,6 +306,7 @@ class SwarmReporter(L.Callback):
         return {
             "outer_steps": d.outer_steps,
             "seconds_waiting_for_the_swarm": round(d.waited, 2),
+            "outer_rounds_begun_on_formed_group": d.rounds_on_formed_group,
             "diloco_loaded": d.loaded,
         }
 

@@ -13,8 +13,11 @@ the inner state in one go.
 
 A peer that finishes its local steps waits (as in the paper, synchronously) until the swarm as a whole has
 accumulated ``target_batch_size`` samples, or until hivemind's estimate of when that happens has passed
-(a peer that died is not waited for). If the swarm is ready before this peer has done its local steps, it
-joins the round early rather than miss it.
+(a peer that died is not waited for), or until its round's group has formed: a peer looks for a group only
+once its inner phase is over (:func:`group_formed`), so a formed group has every member's pseudo-gradient
+and the peer need not wait for its own reads of the swarm's progress to show the others done (in a 2-peer
+run on 2 cores, 2026-11-25, that wait was 51 ms of the 113 ms that ended each outer round). If the swarm is
+ready before this peer has done its local steps, it joins the round early rather than miss it.
 """
 
 from __future__ import annotations
@@ -85,6 +88,16 @@ def outer_optimizer(params: list[torch.Tensor], lr: float, momentum: float) -> t
     return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
 
+def group_formed(opt: hivemind.Optimizer) -> bool:
+    """Whether ``opt``'s gradient round has its group and awaits this peer's trigger. A DiLoCo peer calls
+    hivemind's ``step`` only at its outer step, and only that step starts matchmaking (optimizer.py,
+    ``_maybe_schedule_gradient_averaging``): every member of a formed group has finished its inner phase."""
+    from hivemind.averaging.control import AveragingStage
+
+    control = opt.scheduled_grads
+    return control is not None and not control.done() and control.stage == AveragingStage.AWAITING_TRIGGER
+
+
 class DiLoCo:
     """The inner/outer bookkeeping of one peer; ``HivemindStrategy`` calls it after every local step."""
 
@@ -108,6 +121,7 @@ class DiLoCo:
         self.steps = self.samples = 0  # since the last outer step
         self.outer_steps = 0
         self.waited = 0.0  # seconds spent waiting for the swarm, in total
+        self.rounds_on_formed_group = 0  # outer rounds begun on a formed group, before the tracker was ready
         self.loaded: dict[str, float] | None = None  # state_norms() right after the first download
 
     def attach(self, opt: hivemind.Optimizer) -> None:
@@ -170,7 +184,9 @@ class DiLoCo:
         opt.step(batch_size=max(self.samples, 1))
         started = time.perf_counter()
         while opt.local_epoch == epoch and not self.should_stop():
-            if opt.tracker.ready_to_update_epoch:
+            formed = group_formed(opt)
+            if formed or opt.tracker.ready_to_update_epoch:
+                self.rounds_on_formed_group += formed
                 opt._update_global_epoch(None)  # what hivemind.Optimizer.step does once the swarm is ready
                 break
             averagers.read_within(opt.tracker, opt.tracker.min_refresh_period)

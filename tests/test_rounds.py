@@ -21,7 +21,7 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from swarm import averagers
-from swarm.diloco import DiLoCo
+from swarm.diloco import DiLoCo, group_formed
 from swarm.procs import remove_stale_sockets, start_group, stop_group
 from swarm.screen import RoundScreen, total_norm
 from swarm.waiting import wait_until
@@ -475,6 +475,39 @@ def test_a_state_round_is_skipped_only_when_the_whole_group_sent_one_state(dhts)
         assert len(skipped[0]) == len(skipped[1]) == 1, skipped
     finally:
         for averager in (*grads, *states):
+            averager.shutdown()
+
+
+def test_a_diloco_round_counts_as_formed_only_while_its_whole_group_awaits_the_trigger(dhts):
+    """A DiLoCo peer that finished its inner phase begins the outer round once its group has formed
+    (swarm/diloco.py ``group_formed``), without waiting for its reads of the swarm's progress. A round whose
+    peer looks for a group alone is not formed; once the other peer looks too, both rounds are; once both
+    triggered and the round ended, neither is."""
+    node_a, node_b = dhts(2)
+    nets = [torch.nn.Linear(4, 3) for _ in range(2)]
+    common = dict(prefix="pytest-rounds-formed", min_matchmaking_time=MATCHMAKING, request_timeout=1.5)
+    cls = averagers.keeping_local_gradients(GradientAverager)
+    a, b = (
+        cls(list(net.parameters()), dht=node, start=True, **common)
+        for net, node in zip(nets, (node_a, node_b), strict=True)
+    )
+    try:
+        for averager in (a, b):
+            averagers.set_target_group_size(averager, 2)
+        assert not group_formed(SimpleNamespace(scheduled_grads=None))
+        peer_a = SimpleNamespace(scheduled_grads=a.schedule_step(timeout=MATCHMAKING + 10))
+        time.sleep(2.0)
+        assert not peer_a.scheduled_grads.done()
+        assert not group_formed(peer_a), peer_a.scheduled_grads.stage
+        peer_b = SimpleNamespace(scheduled_grads=b.schedule_step(timeout=MATCHMAKING + 10))
+        wait_until(lambda: group_formed(peer_a) and group_formed(peer_b), timeout=MATCHMAKING - 10)
+        for peer in (peer_a, peer_b):
+            peer.scheduled_grads.allow_allreduce()
+        gathered = [peer.scheduled_grads.result(timeout=20) for peer in (peer_a, peer_b)]
+        assert all(len(g) == 2 for g in gathered), gathered
+        assert not group_formed(peer_a) and not group_formed(peer_b)
+    finally:
+        for averager in (a, b):
             averager.shutdown()
 
 

@@ -174,6 +174,28 @@
    to epoch E every peer's counter is E. Gradient averaging only (DiLoCo's inner counters are each peer's
    own local steps).
 
+18. **A donor declares its new epoch at most every ``DECLARE_EVERY`` seconds.** hivemind's optimizer sets
+   the state averager's ``state_sharing_priority`` to the new epoch at every global epoch
+   (optimizer.py:502), and every change makes the averager store its donor record in the DHT at once
+   (averager.py:243-249 and 600-625): one store per peer and round, 1 of the 7 that a scaling-bench peer
+   made per round (2026-11-25, every ``DHT.store`` counted by key), each of which every node of a small
+   swarm processes. The priority only orders the donors that a newcomer tries (averager.py
+   ``load_state_from_peers``), and the state sent is whatever the donor holds when asked, numbered with its
+   epoch (item 13). The state averager built here stores a changed priority at most every
+   ``DECLARE_EVERY`` seconds, and reads it when it stores, so a record is never more than that behind;
+   switching sharing on or off is stored at once, as before.
+
+19. **A peer that finds nobody's progress reads again soon.** A read of the swarm's progress that finds no
+   record at all, not even this peer's own (stored only once it has samples), plans the next read
+   ``default_refresh_period`` (3 s) ahead (progress_tracker.py:280-292). Every tracker's first read, at its
+   creation, is such a read when its peers start at the same moment, so peers started together without
+   ``--min-peers`` each trained alone for the first 3 s: in a fresh-clone run of the 4-peer localhost test
+   (2026-11-25), peer1 and peer2, started 20 ms apart, each took their first 14 and 15 global epochs alone,
+   and held different parameters at 16 of the 148 epochs they shared (0.89, below the test's 0.9). Item 14's
+   wrapper plans such a read ``min_refresh_period`` ahead too, and brings forward a read that was planned
+   before it was installed. A peer that trains alone stores its own record at its first step, so only
+   reads before that are affected.
+
 The subclasses keep hivemind's class names: the p2p handlers' names are built from the class name, and must
 match those of other peers.
 """
@@ -481,9 +503,42 @@ def _state_averager_class(base: type) -> type:
         gathered = await base._aggregate_with_group(self, group_info, *args, **kwargs)
         return sane_epochs(gathered, self.peer_id)
 
+    async def _declare_for_download_periodically(self: Any) -> None:
+        """hivemind's loop that declares this peer a donor of its state in the DHT (averager.py:600-625),
+        storing a changed priority at most once per ``DECLARE_EVERY`` seconds (item 18). Runs in the
+        averager process."""
+        from hivemind.utils import get_dht_time
+
+        download_key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        sharing_was_allowed = self.allow_state_sharing
+        while True:
+            expiration_time = get_dht_time() + self.declare_state_period
+            if self.allow_state_sharing or sharing_was_allowed:
+                # the priority (the epoch) is read now: a store that waited carries the newest one
+                value = self.state_sharing_priority if self.allow_state_sharing else None
+                store = self.dht.store(
+                    download_key,
+                    subkey=self.peer_id.to_bytes(),
+                    value=value,
+                    expiration_time=expiration_time,
+                    return_future=True,
+                )
+                asyncio.create_task(asyncio.wait_for(store, timeout=expiration_time - get_dht_time()))
+                sharing_was_allowed = self.allow_state_sharing
+            stored = time.monotonic()
+            self._state_updated.clear()
+            try:
+                left = max(0.0, expiration_time - get_dht_time())
+                await asyncio.wait_for(self._state_updated.wait(), timeout=left)
+            except TimeoutError:
+                pass
+            if self.allow_state_sharing == sharing_was_allowed:  # sharing switched on or off goes at once
+                await asyncio.sleep(max(0.0, stored + DECLARE_EVERY - time.monotonic()))
+
     attrs = {
         "__module__": __name__,
         "__init__": __init__,
+        "_declare_for_download_periodically": _declare_for_download_periodically,
         "_step": _step,
         "step": step,
         "_aggregate_with_group": _aggregate_with_group,
@@ -589,7 +644,8 @@ def read_soon_while_speeds_unknown(tracker: Any, below: float = 1e-6) -> None:
     whose records carry no speed above ``below`` samples/s in all plans the next read ``min_refresh_period``
     ahead, not ``max_refresh_period``. hivemind's speeds start at 1e-20 (utils/performance_ema.py). Only the
     records count, as in hivemind's estimate: a peer that has stepped but not yet stored a record with its
-    speed still reads soon."""
+    speed still reads soon. A read that finds no record at all does the same (item 19), and a tracker whose
+    reads so far found none reads again within ``min_refresh_period`` of this call."""
     parse = tracker._parse_swarm_progress_data
     if getattr(parse, "_swarm_reads_soon", False):
         return
@@ -602,7 +658,7 @@ def read_soon_while_speeds_unknown(tracker: Any, below: float = 1e-6) -> None:
             entries = metadata.values() if isinstance(metadata, dict) else ()
             known = sum(_record_speed(e) for e in entries)
             tracker._swarm_last_read = (known, progress.num_peers)
-            if progress.num_peers and known < below:
+            if known < below:  # no speed known, or no record at all (item 19)
                 soon = get_dht_time() + tracker.min_refresh_period
                 progress.next_fetch_time = min(progress.next_fetch_time, soon)
         except Exception:  # an unreadable record leaves hivemind's plan as it was; never stop the fetcher
@@ -611,6 +667,8 @@ def read_soon_while_speeds_unknown(tracker: Any, below: float = 1e-6) -> None:
 
     parsed._swarm_reads_soon = True  # type: ignore[attr-defined]
     tracker._parse_swarm_progress_data = parsed
+    if not tracker.global_progress.num_peers:  # its first read (at its creation) may have found nobody
+        read_within(tracker, tracker.min_refresh_period)
 
 
 def _record_speed(entry: Any) -> float:
@@ -798,6 +856,7 @@ def meet_strangers_next_round(opt: Any, on_skip: Any = None) -> None:
     _skip_state_rounds_after(opt, lambda gathered, _: getattr(gathered, "strangers", None) or None, on_skip)
 
 
+DECLARE_EVERY = 5.0  # item 18: seconds between two of a donor's declarations that only change its epoch
 AGREEMENT_RTOL = 1e-6  # item 16: figures this close count as one state (all-reduce rounding is ~1e-7)
 
 

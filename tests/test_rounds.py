@@ -830,6 +830,43 @@ def test_a_state_download_waits_for_the_donors_epoch_step_or_asks_another(dhts):
             averager.shutdown()
 
 
+def test_a_donor_stores_its_changed_epoch_at_most_once_per_declare_every(dhts, monkeypatch):
+    """hivemind stores a donor's record at every change of its priority (the epoch, once per global epoch);
+    the swarm's state averager stores a changed priority at most every DECLARE_EVERY seconds, read when it
+    stores (swarm/averagers.py item 18). Three changes 0.5 s apart, within the interval after the first
+    record, reach the DHT as one record with the last of them; switching sharing off goes at once."""
+    monkeypatch.setattr(averagers, "DECLARE_EVERY", 8.0)  # before the fork: the averager process reads it
+    (node,) = dhts(1)
+    (donor,) = _state_averagers([node], [torch.nn.Linear(4, 3)], "pytest-rounds-declare")
+    key, subkey = "pytest-rounds-declare.all_averagers", donor.peer_id.to_bytes()
+    seen: list = []
+
+    def record() -> object:
+        found = node.get(key, latest=True)
+        entry = found.value.get(subkey) if found is not None and isinstance(found.value, dict) else None
+        value = "absent" if entry is None else entry.value
+        if not seen or seen[-1] != value:
+            seen.append(value)
+        return value
+
+    try:
+        wait_until(lambda: record() == 0.0, timeout=20)
+        began = time.monotonic()
+        for epoch in (1, 2, 3):
+            donor.state_sharing_priority = epoch
+            deadline = time.monotonic() + 0.5
+            while time.monotonic() < deadline:
+                record()
+                time.sleep(0.05)
+        wait_until(lambda: record() == 3.0, timeout=20)
+        assert time.monotonic() - began < 8.0 + 10.0
+        assert seen == [0.0, 3.0], seen
+        donor.allow_state_sharing = False
+        wait_until(lambda: record() is None, timeout=5)
+    finally:
+        donor.shutdown()
+
+
 def test_a_step_that_begins_while_the_donor_copies_its_state_is_not_sent_with_the_old_tensors(dhts):
     """hivemind numbers the new epoch as an epoch's step begins, before the update and without the tensor lock
     (state_averager.py, ``step``). A download that had passed the "step ended" check and then copied while
@@ -966,6 +1003,34 @@ def _two_trackers(dhts, run: str, target: int):
     finally:
         for tracker in trackers:
             tracker.shutdown()
+
+
+def test_a_tracker_that_finds_nobody_reads_again_within_min_refresh_period(dhts):
+    """A tracker's first read, at its creation, finds no record when its peers start at the same moment, and
+    hivemind plans the next read default_refresh_period (3 s) away: peers started together each trained alone
+    that long (swarm/averagers.py item 19). Once item 14's wrapper is installed, it reads every
+    min_refresh_period (0.5 s) while it finds nobody: at least 3 reads within 2.5 s, against none."""
+    from hivemind.optim.progress_tracker import ProgressTracker
+    from hivemind.utils import get_dht_time
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    (node,) = dhts(1)
+    tracker = ProgressTracker(node, "pytest-rounds-nobody", 16, private_key=RSAPrivateKey(), start=True)
+    try:
+        assert wait_until(tracker.fetched_global_progress_this_epoch.is_set, timeout=20)
+        first = tracker.global_progress
+        assert first.num_peers == 0
+        assert first.next_fetch_time - get_dht_time() > 1.5, first  # hivemind's plan: 3 s after its read
+        averagers.read_soon_while_speeds_unknown(tracker)
+        reads, seen, deadline = 0, first, time.monotonic() + 2.5
+        while time.monotonic() < deadline:
+            if tracker.global_progress is not seen:
+                reads, seen = reads + 1, tracker.global_progress
+                assert seen.num_peers == 0 and seen.next_fetch_time - get_dht_time() <= 0.6, seen
+            time.sleep(0.02)
+        assert reads >= 3, reads
+    finally:
+        tracker.shutdown()
 
 
 def test_peers_that_meet_before_their_first_samples_read_each_others_progress_soon(dhts):

@@ -182,8 +182,10 @@
    swarm processes. The priority only orders the donors that a newcomer tries (averager.py
    ``load_state_from_peers``), and the state sent is whatever the donor holds when asked, numbered with its
    epoch (item 13). The state averager built here stores a changed priority at most every
-   ``DECLARE_EVERY`` seconds, and reads it when it stores, so a record is never more than that behind;
-   switching sharing on or off is stored at once, as before.
+   ``DECLARE_EVERY`` seconds, and reads it when it stores, so a record is never more than that behind.
+   Switching sharing on or off is stored at once when it comes while the loop waits for a change, and at the
+   end of the interval when it comes within ``DECLARE_EVERY`` of the last store (nothing in the swarm switches
+   it while training). ``declare_state_period`` (hivemind's 30 s) must stay above ``DECLARE_EVERY``.
 
 19. **A peer that finds nobody's progress reads again soon.** A read of the swarm's progress that finds no
    record at all, not even this peer's own (stored only once it has samples), plans the next read

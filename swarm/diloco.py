@@ -91,11 +91,16 @@ def outer_optimizer(params: list[torch.Tensor], lr: float, momentum: float) -> t
 def group_formed(opt: hivemind.Optimizer) -> bool:
     """Whether ``opt``'s gradient round has its group and awaits this peer's trigger. A DiLoCo peer calls
     hivemind's ``step`` only at its outer step, and only that step starts matchmaking (optimizer.py,
-    ``_maybe_schedule_gradient_averaging``): every member of a formed group has finished its inner phase."""
+    ``_maybe_schedule_gradient_averaging``): every member of a formed group has finished its inner phase.
+    A search that found nobody by the round's deadline also awaits the trigger, with no group
+    (matchmaking.py ``look_for_group`` returns None; averager.py ``_step``): not formed."""
     from hivemind.averaging.control import AveragingStage
+    from hivemind.utils import get_dht_time
 
     control = opt.scheduled_grads
-    return control is not None and not control.done() and control.stage == AveragingStage.AWAITING_TRIGGER
+    if control is None or control.done() or control.stage != AveragingStage.AWAITING_TRIGGER:
+        return False
+    return get_dht_time() < control.deadline
 
 
 class DiLoCo:
@@ -184,9 +189,9 @@ class DiLoCo:
         opt.step(batch_size=max(self.samples, 1))
         started = time.perf_counter()
         while opt.local_epoch == epoch and not self.should_stop():
-            formed = group_formed(opt)
-            if formed or opt.tracker.ready_to_update_epoch:
-                self.rounds_on_formed_group += formed
+            ready = opt.tracker.ready_to_update_epoch
+            if ready or group_formed(opt):
+                self.rounds_on_formed_group += not ready
                 opt._update_global_epoch(None)  # what hivemind.Optimizer.step does once the swarm is ready
                 break
             averagers.read_within(opt.tracker, opt.tracker.min_refresh_period)

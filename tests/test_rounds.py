@@ -16,6 +16,7 @@ import hivemind
 import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage
 from hivemind.compression import CompressionInfo, TensorRole
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
@@ -482,7 +483,7 @@ def test_a_diloco_round_counts_as_formed_only_while_its_whole_group_awaits_the_t
     """A DiLoCo peer that finished its inner phase begins the outer round once its group has formed
     (swarm/diloco.py ``group_formed``), without waiting for its reads of the swarm's progress. A round whose
     peer looks for a group alone is not formed; once the other peer looks too, both rounds are; once both
-    triggered and the round ended, neither is."""
+    triggered and the round ended, neither is; nor is a round whose lone search ended at its deadline."""
     node_a, node_b = dhts(2)
     nets = [torch.nn.Linear(4, 3) for _ in range(2)]
     common = dict(prefix="pytest-rounds-formed", min_matchmaking_time=MATCHMAKING, request_timeout=1.5)
@@ -505,7 +506,14 @@ def test_a_diloco_round_counts_as_formed_only_while_its_whole_group_awaits_the_t
             peer.scheduled_grads.allow_allreduce()
         gathered = [peer.scheduled_grads.result(timeout=20) for peer in (peer_a, peer_b)]
         assert all(len(g) == 2 for g in gathered), gathered
-        assert not group_formed(peer_a) and not group_formed(peer_b)
+        # a search that found nobody by the round's deadline also awaits the trigger, without a group
+        from hivemind.utils import get_dht_time
+
+        control = a.schedule_step(scheduled_time=get_dht_time() + 1.0, timeout=2.0)
+        lone = SimpleNamespace(scheduled_grads=control)
+        assert wait_until(lambda: lone.scheduled_grads.stage == AveragingStage.AWAITING_TRIGGER, timeout=20)
+        assert not group_formed(lone)
+        lone.scheduled_grads.cancel()
     finally:
         for averager in (a, b):
             averager.shutdown()
@@ -851,6 +859,7 @@ def test_a_donor_stores_its_changed_epoch_at_most_once_per_declare_every(dhts, m
 
     try:
         wait_until(lambda: record() == 0.0, timeout=20)
+        seen[:] = [0.0]  # a read before the averager's first store found no record
         began = time.monotonic()
         for epoch in (1, 2, 3):
             donor.state_sharing_priority = epoch
@@ -1006,23 +1015,25 @@ def _two_trackers(dhts, run: str, target: int):
 
 
 def test_a_tracker_that_finds_nobody_reads_again_within_min_refresh_period(dhts):
-    """A tracker's first read, at its creation, finds no record when its peers start at the same moment, and
-    hivemind plans the next read default_refresh_period (3 s) away: peers started together each trained alone
-    that long (swarm/averagers.py item 19). Once item 14's wrapper is installed, it reads every
-    min_refresh_period (0.5 s) while it finds nobody: at least 3 reads within 2.5 s, against none."""
+    """A tracker plans its first read default_refresh_period (3 s) after its creation, and the next one as
+    far after every read that finds no record: peers started together each trained alone that long
+    (swarm/averagers.py item 19). Once item 14's wrapper is installed, it reads every
+    min_refresh_period (0.5 s) while it finds nobody: at least 3 reads within 8 s (about 15 expected),
+    against none (hivemind's plan here: default_refresh_period 30 s)."""
     from hivemind.optim.progress_tracker import ProgressTracker
     from hivemind.utils import get_dht_time
     from hivemind.utils.crypto import RSAPrivateKey
 
     (node,) = dhts(1)
-    tracker = ProgressTracker(node, "pytest-rounds-nobody", 16, private_key=RSAPrivateKey(), start=True)
+    tracker = ProgressTracker(
+        node, "pytest-rounds-nobody", 16, default_refresh_period=30.0, private_key=RSAPrivateKey(), start=True
+    )
     try:
-        assert wait_until(tracker.fetched_global_progress_this_epoch.is_set, timeout=20)
-        first = tracker.global_progress
+        first = tracker.global_progress  # made at its creation, from no record: the first read 30 s ahead
         assert first.num_peers == 0
-        assert first.next_fetch_time - get_dht_time() > 1.5, first  # hivemind's plan: 3 s after its read
+        assert first.next_fetch_time - get_dht_time() > 20.0, first
         averagers.read_soon_while_speeds_unknown(tracker)
-        reads, seen, deadline = 0, first, time.monotonic() + 2.5
+        reads, seen, deadline = 0, first, time.monotonic() + 8.0
         while time.monotonic() < deadline:
             if tracker.global_progress is not seen:
                 reads, seen = reads + 1, tracker.global_progress

@@ -39,7 +39,14 @@ from swarm.metrics import (
     VAL_ACC_TOP5,
     VAL_LOSS,
 )
-from swarm.model import SwarmClassifier, autocast_dtype, local_tensor, param_checksum, resolve_device
+from swarm.model import (
+    SwarmClassifier,
+    autocast_dtype,
+    cheap_cuda_checks,
+    local_tensor,
+    param_checksum,
+    resolve_device,
+)
 from swarm.procs import DistEnv, dist_env
 from swarm.sysmetrics import CpuMeter, GpuSampler
 from swarm.tuning import largest_batch, step_fits
@@ -250,6 +257,7 @@ class LocalReporter(L.Callback):
             setup_logging(quiet=not trainer.is_global_zero)
         if self.cfg.train.threads:
             torch.set_num_threads(self.cfg.train.threads)
+        cheap_cuda_checks(trainer.strategy.root_device.type)  # in every rank: each imported lightning itself
         torch.manual_seed(self.data.seed + trainer.global_rank)  # augmentations differ per rank
         self.main = trainer.is_global_zero
         if self.cfg.cluster.auto_batch_size:

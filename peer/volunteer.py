@@ -25,7 +25,14 @@ from swarm.dht import check_addresses, start_dht, stop_dht
 from swarm.fingerprint import ConfigPublisher, check_against_swarm, join_line_for, wait_for_peers
 from swarm.layout import volunteer_dir
 from swarm.log import quiet_libraries
-from swarm.model import SwarmClassifier, autocast_dtype, evaluate, param_checksum, resolve_device
+from swarm.model import (
+    SwarmClassifier,
+    autocast_dtype,
+    cheap_cuda_checks,
+    evaluate,
+    param_checksum,
+    resolve_device,
+)
 from swarm.procs import GracefulStop, remove_stale_sockets
 from swarm.strategy import HivemindStrategy, lr_of
 from swarm.sysmetrics import CpuMeter, GpuSampler
@@ -444,6 +451,7 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = resolve_device(cfg.train.device)
+    cheap_cuda_checks(device)
     peer_name = cfg.train.peer_name or default_peer_name()
     out_dir = volunteer_dir(cfg.train.log_dir, cfg.swarm.run_id, peer_name)
     save_config(cfg, out_dir / "config.yaml")

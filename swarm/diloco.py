@@ -114,8 +114,11 @@ class DiLoCo:
         outer_lr: float,
         outer_momentum: float,
         should_stop=lambda: False,
+        before_outer_step=lambda: False,
     ) -> None:
         self.inner, self.local_steps = inner, local_steps
+        # the strategy's StateGuard.undo_nonfinite_update: nothing non-finite leaves in a pseudo-gradient
+        self.before_outer_step = before_outer_step
         self.params = [p for group in inner.param_groups for p in group["params"]]
         # the anchors: float32 copies on the CPU, where hivemind's averagers live anyway
         self.anchors = [
@@ -181,6 +184,7 @@ class DiLoCo:
     def outer_step(self) -> bool:
         opt = self.opt
         epoch = opt.local_epoch
+        self.before_outer_step()
         with torch.no_grad():
             for p, a in zip(self.params, self.anchors, strict=True):
                 a.grad = a.detach() - p.detach().to(a.device, a.dtype)  # the pseudo-gradient

@@ -269,7 +269,9 @@ def test_failed_round_steps_on_own_gradient_not_zeros(dhts):
 
 def test_progress_is_reported_a_few_times_a_second_and_the_last_count_arrives(dhts):
     """hivemind stores a progress record after every step; throttled, a burst of 200 steps in about a second
-    stores a handful, a new epoch goes out at once, and the last count of the burst reaches the DHT."""
+    stores a handful, a new epoch and its first samples go out without waiting for the interval (here made
+    60 s, which the test would notice), and a count held back reaches the DHT when the interval ends. The
+    reporter thread is released asynchronously (in its own wait), so the test waits for each release."""
     from hivemind.optim.progress_tracker import ProgressTracker
 
     (first,) = dhts(1)
@@ -284,9 +286,13 @@ def test_progress_is_reported_a_few_times_a_second_and_the_last_count_arrives(dh
         fired = event.fired  # read first: a deferred store after this line is not counted against the time
         seconds = time.monotonic() - began
         assert 1 <= fired <= seconds / 0.25 + 2, (fired, seconds)  # not 200
+        event.interval = 60.0  # a record held back by the interval would now take a minute
         tracker.report_local_progress(1, 0)  # a new epoch is not held back (update_epoch reports 0 samples)
+        assert wait_until(lambda: event.fired == fired + 1, timeout=10, interval=0.01), event.fired
         tracker.report_local_progress(1, 32)  # nor its first samples: hivemind's reporter stops storing a
-        assert event.fired == fired + 2  # peer whose recent records all had 0 samples
+        wait_until(lambda: event.fired == fired + 2, timeout=10, interval=0.01)  # peer whose recent records
+        assert event.fired == fired + 2  # all had 0 samples
+        event.interval = 0.25
 
         def latest() -> tuple[int, int] | None:
             found = first.get(
@@ -299,7 +305,7 @@ def test_progress_is_reported_a_few_times_a_second_and_the_last_count_arrives(dh
 
         wait_until(lambda: latest() == (1, 32), timeout=10, interval=0.1)
         assert latest() == (1, 32)
-        tracker.report_local_progress(1, 64)  # within the interval: held back, then sent by the timer
+        tracker.report_local_progress(1, 64)  # within the interval: held back, then sent when it ends
         wait_until(lambda: latest() == (1, 64), timeout=10, interval=0.1)
         assert latest() == (1, 64)
     finally:
@@ -1142,3 +1148,54 @@ def test_a_new_epoch_expects_the_swarm_at_the_speed_of_the_last_read(dhts):
             ready = a.ready_to_update_epoch
         assert expected == pytest.approx(target / 80.0, abs=0.5), expected
         assert not ready and a.global_progress.samples_accumulated == 0
+
+
+def test_a_peer_waiting_for_a_groupmate_reads_the_declared_averagers_at_most_every_leader_reads_every(dhts):
+    """Item 20, with hivemind's own matchmaking pieces (PotentialLeaders, GroupKeyManager) on two real DHT
+    nodes: peer A looks for a leader for 2 s with nobody declared, as a peer waits for a groupmate still
+    computing. hivemind's loop reads the declared averagers back to back (each empty read asks for the next,
+    matchmaking.py:469-522); the installed one keeps LEADER_READS_EVERY between two reads. Then B declares
+    itself with an earlier expiration than A's, as a groupmate that finished later does, and A finds it as
+    its leader within a few reads."""
+    import asyncio
+
+    from hivemind.averaging.key_manager import GroupKeyManager
+    from hivemind.averaging.matchmaking import PotentialLeaders
+    from hivemind.utils import get_dht_time
+
+    a, b = dhts(2)
+    reads: list[float] = []
+
+    async def scenario() -> tuple[object, float]:
+        key_a = GroupKeyManager(a, "pytest-leaders", initial_group_bits="", target_group_size=2)
+        key_b = GroupKeyManager(b, "pytest-leaders", initial_group_bits="", target_group_size=2)
+        real = key_a.get_averagers
+
+        async def counted(*args, **kwargs):
+            reads.append(time.monotonic())
+            return await real(*args, **kwargs)
+
+        key_a.get_averagers = counted
+        leaders = PotentialLeaders(a.peer_id, min_matchmaking_time=1.0, target_group_size=2)
+        leaders.running.set()
+        leaders.search_end_time = get_dht_time() + 30.0
+        leaders.declared_expiration_time = get_dht_time() + 20.0  # as _declare_averager_periodically sets it
+        updates = asyncio.create_task(leaders._update_queue_periodically(key_a))
+        popping = asyncio.create_task(leaders.pop_next_leader())
+        await asyncio.sleep(2.0)
+        assert not popping.done()
+        declared = time.monotonic()
+        await key_b.declare_averager(key_b.current_key, b.peer_id, expiration_time=get_dht_time() + 10.0)
+        leader = await asyncio.wait_for(popping, 5.0)
+        found = time.monotonic() - declared
+        updates.cancel()
+        await asyncio.gather(updates, return_exceptions=True)
+        return leader, found
+
+    leader, found = asyncio.run(scenario())
+    gaps = [later - earlier for earlier, later in zip(reads[:-1], reads[1:], strict=True)]
+    assert leader == b.peer_id
+    assert len(reads) >= 5, reads  # it kept looking while alone
+    assert min(gaps) >= averagers.LEADER_READS_EVERY * 0.95, gaps  # hivemind's own loop: a few ms apart
+    assert len(reads) <= (2.0 + found) / averagers.LEADER_READS_EVERY + 2, len(reads)
+    assert found < 5 * averagers.LEADER_READS_EVERY, found

@@ -17,14 +17,15 @@ accumulated ``target_batch_size`` samples, or until hivemind's estimate of when 
 once its inner phase is over (:func:`group_formed`), so a formed group has every member's pseudo-gradient
 and the peer need not wait for its own reads of the swarm's progress to show the others done (in a 2-peer
 run on 2 cores, 2026-11-25, that wait was 51 ms of the 113 ms that ended each outer round). If the swarm is
-ready before this peer has done its local steps, it joins the round early rather than miss it.
+ready before this peer has done its local steps, it joins the round early rather than miss it. While it
+waits it reads the swarm's progress every ``WAITING_READS_EVERY`` (50 ms).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +36,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 INNER_KEYS = ("step", "exp_avg", "exp_avg_sq")
+# While a peer waits for the swarm after its inner steps it reads the swarm's progress this often (seconds),
+# not every min_refresh_period (0.5 s): the read that shows the others done ended most outer rounds. In 3
+# alternating pairs of 2-peer runs (H=50, 25 outer rounds, 2026-11-25 20:00) 7666 samples/s against 6209 at
+# 0.5 s, median round end 0.10 s against 0.175 s; 0.02 s gave 7926 against 7842 at 0.05 (the noise), for
+# more than twice the reads. A waiting peer has nothing to compute, so the reads cost the swarm little.
+WAITING_READS_EVERY = 0.05
 
 
 def inner_state_tensors(inner: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -101,6 +108,12 @@ def group_formed(opt: hivemind.Optimizer) -> bool:
     if control is None or control.done() or control.stage != AveragingStage.AWAITING_TRIGGER:
         return False
     return get_dht_time() < control.deadline
+
+
+def read_while_waiting(tracker: Any) -> None:
+    """One turn of a waiting peer's reads: have ``tracker`` read the swarm's progress within
+    ``WAITING_READS_EVERY`` (swarm/averagers.py ``read_within``)."""
+    averagers.read_within(tracker, WAITING_READS_EVERY)
 
 
 class DiLoCo:
@@ -198,7 +211,7 @@ class DiLoCo:
                 self.rounds_on_formed_group += not ready
                 opt._update_global_epoch(None)  # what hivemind.Optimizer.step does once the swarm is ready
                 break
-            averagers.read_within(opt.tracker, opt.tracker.min_refresh_period)
+            read_while_waiting(opt.tracker)
             time.sleep(0.02)
         self.waited += time.perf_counter() - started
         for a in self.anchors:

@@ -1119,6 +1119,40 @@ def test_a_peer_that_waits_for_the_swarm_reads_its_progress_again_within_min_ref
         assert a.global_progress.samples_accumulated >= target
 
 
+def test_a_diloco_peer_waiting_for_the_swarm_reads_its_progress_every_waiting_reads_every(dhts):
+    """A DiLoCo peer that has done its inner steps waits for the swarm's reads to show the others done, and
+    that read ended most outer rounds while it came every min_refresh_period (0.5 s). B's record says it is
+    slow, so hivemind plans A's next read more than 30 s ahead; A then waits for 2 s as DiLoCo.outer_step
+    waits (``read_while_waiting`` on every turn) and reads at least 10 times (about 40 expected at
+    WAITING_READS_EVERY = 0.05 s; at most 5 at 0.5 s), each read planned for within WAITING_READS_EVERY."""
+    from hivemind.utils import get_dht_time
+
+    from swarm import diloco
+
+    with _two_trackers(dhts, "pytest-rounds-diloco-reads", 16) as (a, b):
+        b.performance_ema.samples_per_second = 0.1
+        b.local_progress = b._get_local_progress(0, 1)
+        b.should_report_progress.set()
+
+        def a_read_b() -> bool:
+            if a.global_progress.samples_accumulated >= 1:
+                return True
+            a.global_progress.next_fetch_time = get_dht_time()
+            a.global_state_updated.set()
+            return False
+
+        assert wait_until(a_read_b, timeout=20, interval=0.25)
+        assert a.global_progress.next_fetch_time - get_dht_time() > 30  # hivemind's plan from B's speed
+        reads, seen, deadline = 0, a.global_progress, time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            diloco.read_while_waiting(a)
+            assert a.global_progress.next_fetch_time - get_dht_time() <= diloco.WAITING_READS_EVERY + 0.01
+            if a.global_progress is not seen:
+                reads, seen = reads + 1, a.global_progress
+            time.sleep(0.02)  # DiLoCo.outer_step's turn
+        assert reads >= 10, reads
+
+
 def test_a_new_epoch_expects_the_swarm_at_the_speed_of_the_last_read(dhts):
     """Item 15: hivemind starts every epoch with the estimate "never", so until its next read a peer counts
     only its own samples, and with epochs shorter than a read apart each peer computed most of the target

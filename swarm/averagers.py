@@ -339,36 +339,33 @@ LEADER_READS_EVERY = 0.025  # item 20: seconds between two reads of the declared
 
 
 async def _update_queue_at_most_every(self: Any, key_manager: Any) -> None:
-    """hivemind's ``PotentialLeaders._update_queue_periodically`` (matchmaking.py:500-522), with at least
-    ``LEADER_READS_EVERY`` between two reads (item 20). Runs in the averager process."""
-    import asyncio
-    from math import isfinite
+    """hivemind's ``PotentialLeaders._update_queue_periodically`` (matchmaking.py:500-522) itself, on a key
+    manager whose reads of the declared averagers come at least ``LEADER_READS_EVERY`` apart (item 20). Runs
+    in the averager process."""
+    await _HIVEMIND["update_queue_periodically"](self, _PacedReads(key_manager, self))
 
-    from hivemind.utils import get_dht_time
-    from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS as DISCREPANCY
 
-    last_read = -float("inf")
-    while get_dht_time() < self.search_end_time:
-        pause = last_read + LEADER_READS_EVERY - get_dht_time()
+class _PacedReads:
+    """A ``GroupKeyManager`` whose ``get_averagers`` waits until ``LEADER_READS_EVERY`` after its last read,
+    though never past the search's end (``leaders.search_end_time``); everything else is the key manager's."""
+
+    def __init__(self, key_manager: Any, leaders: Any) -> None:
+        self._key_manager, self._leaders = key_manager, leaders
+        self._last_read = -float("inf")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._key_manager, name)
+
+    async def get_averagers(self, *args: Any, **kwargs: Any) -> Any:
+        import asyncio
+
+        from hivemind.utils import get_dht_time
+
+        pause = self._last_read + LEADER_READS_EVERY - get_dht_time()
         if pause > 0:
-            await asyncio.sleep(min(pause, max(0.0, self.search_end_time - get_dht_time())))
-        last_read = get_dht_time()
-        new_peers = await key_manager.get_averagers(key_manager.current_key, only_active=True)
-        assured = get_dht_time() + self.min_matchmaking_time - DISCREPANCY
-        self.max_assured_time = max(self.max_assured_time, assured)
-        self.leader_queue.clear()
-        for peer, peer_expiration_time in new_peers:
-            if peer == self.peer_id or (peer, peer_expiration_time) in self.past_attempts:
-                continue
-            self.leader_queue.store(peer, peer_expiration_time, peer_expiration_time)
-            self.max_assured_time = max(self.max_assured_time, peer_expiration_time - DISCREPANCY)
-        self.update_finished.set()
-        await asyncio.wait(
-            {asyncio.create_task(self.running.wait()), asyncio.create_task(self.update_triggered.wait())},
-            return_when=asyncio.ALL_COMPLETED,
-            timeout=self.search_end_time - get_dht_time() if isfinite(self.search_end_time) else None,
-        )
-        self.update_triggered.clear()
+            await asyncio.sleep(min(pause, max(0.0, self._leaders.search_end_time - get_dht_time())))
+        self._last_read = get_dht_time()
+        return await self._key_manager.get_averagers(*args, **kwargs)
 
 
 def set_target_group_size(averager: Any, size: int | None) -> None:

@@ -204,17 +204,17 @@
    is asked (matchmaking.py:469-522): back to back for as long as the peer waits for a groupmate, each read a
    request through the DHT process and the p2p daemon to every node. In a 2-peer DiLoCo run on 2 cores
    (2026-11-25, 30 outer rounds) the gradient averagers made 956 and 551 such reads, 18 to 32 per round,
-   with CPU taken from the groupmate that was still computing, the one being waited for. The patched loop
-   keeps at least ``LEADER_READS_EVERY`` between two reads (34 reads per peer in the same run). The waiting
-   peer is not always the leader: a round pre-scheduled at the tracker's estimate of the epoch's end
-   declares that time (matchmaking.py ``_declare_averager_periodically``), which can lie after a later
-   peer's, and then the waiting peer finds its leader only by reading. So the pause is short: with 0.1 s,
-   DiLoCo's outer rounds ended about 50 ms later (median 83-174 ms against 76-124 ms without the pause, over
-   5 A/B pairs). With 0.025 s (2026-11-25 19:20, 3 alternating pairs each, 2 peers, batch 32): gradient
-   averaging at target 2048, 40 epochs, 6262 / 6340 / 6545 samples/s against 5473 / 5865 / 6313 without the
-   pause (+8.5 % on average, faster in every pair; 25.2 against 26.5 CPU seconds per peer); DiLoCo H=50, 25
-   outer rounds, 6412 / 6332 / 6345 against 6407 / 6315 / 5787, median round end 0.10-0.14 s against
-   0.12-0.17 s.
+   with CPU taken from the groupmate that was still computing, the one being waited for. :func:`install`
+   runs hivemind's loop on a key manager whose reads come at least ``LEADER_READS_EVERY`` apart (34 reads
+   per peer in the same run). The waiting peer is not always the leader: a round pre-scheduled at the
+   tracker's estimate of the epoch's end declares that time (matchmaking.py
+   ``_declare_averager_periodically``), which can lie after a later peer's, and then the waiting peer finds
+   its leader only by reading. So the pause is short: with 0.1 s, DiLoCo's outer rounds ended about 50 ms
+   later (median 83-174 ms against 76-124 ms without the pause, over 5 A/B pairs). With 0.025 s
+   (2026-11-25 19:20, 3 alternating pairs each, 2 peers, batch 32): gradient averaging at target 2048, 40
+   epochs, 6262 / 6340 / 6545 samples/s against 5473 / 5865 / 6313 without the pause (+8.5 % on average,
+   faster in every pair; 25.2 against 26.5 CPU seconds per peer); DiLoCo H=50, 25 outer rounds, 6412 /
+   6332 / 6345 against 6407 / 6315 / 5787, median round end 0.10-0.14 s against 0.12-0.17 s.
 
 The subclasses keep hivemind's class names: the p2p handlers' names are built from the class name, and must
 match those of other peers.

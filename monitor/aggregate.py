@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from swarm.metrics import ROUND_PARTS, LocalMetrics
+from swarm.net.metrics import ROUND_PARTS, LocalMetrics
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class EpochPoint:
     train_records: int = 1  # records that reported training at this epoch (0: only validations seen)
     rounds: dict[str, float] = field(default_factory=dict)  # part -> median seconds over reporting peers
     local_steps: int = 0  # peers whose gradient round failed (they stepped on their own gradient)
-    rejected: int = 0  # peers whose screen refused this epoch's averaged result (swarm/screen.py)
+    rejected: int = 0  # peers whose screen refused this epoch's averaged result (swarm/averaging/screen.py)
     data_epoch: float | None = None  # passes over the training set (the peers' own count; the largest)
     gpus: dict[str, tuple[float, float]] = field(default_factory=dict)  # peer -> (GPU memory GB, util %)
 

@@ -11,8 +11,7 @@ from pathlib import Path
 
 from monitor.aggregate import EpochPoint
 from swarm.config import ExperimentConfig
-from swarm.logbook import read_run, write_hparams
-from swarm.metrics import (
+from swarm.net.metrics import (
     ROUND_LOCAL,
     ROUND_REJECTED,
     ROUND_TAGS,
@@ -27,6 +26,7 @@ from swarm.metrics import (
     VAL_ACC_TOP5,
     VAL_LOSS,
 )
+from swarm.training.logbook import read_run, write_hparams
 
 log = logging.getLogger(__name__)
 EVAL_PREFIX = "monitor/"

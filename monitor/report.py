@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from monitor.board import EVAL_ACC
-from swarm.logbook import read_scalars
-from swarm.metrics import SWARM_EPOCH, SWARM_PEERS, TRAIN_DATA_EPOCH, VAL_ACC
+from swarm.net.metrics import SWARM_EPOCH, SWARM_PEERS, TRAIN_DATA_EPOCH, VAL_ACC
+from swarm.training.logbook import read_scalars
 
 COLUMNS = (
     "run",

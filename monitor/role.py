@@ -21,15 +21,16 @@ import torch
 from monitor.aggregate import EpochAggregator, EpochPoint
 from monitor.board import Board
 from monitor.state import CheckpointKeeper, SwarmModel
-from swarm import fence, metrics
-from swarm.checkpoint import CheckpointError
 from swarm.config import ExperimentConfig, save_config
-from swarm.data import build_datasets, val_loader
-from swarm.dht import check_addresses, start_dht, stop_dht
-from swarm.fingerprint import MONITOR_FIELDS, check_against_swarm, join_line_for
 from swarm.log import quiet_libraries
-from swarm.model import autocast_dtype, evaluate, resolve_device
+from swarm.net import metrics
+from swarm.net.fingerprint import MONITOR_FIELDS, check_against_swarm, join_line_for
+from swarm.net.invite import Invite
+from swarm.net.node import check_addresses, start_node
 from swarm.procs import GracefulStop, remove_stale_sockets
+from swarm.training.checkpoint import CheckpointError
+from swarm.training.data import build_datasets, val_loader
+from swarm.training.model import autocast_dtype, evaluate, resolve_device
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 15.0
@@ -151,11 +152,11 @@ def _poll(
         evaluator.start()
 
 
-def _prepare(cfg: ExperimentConfig) -> tuple[str, CheckpointKeeper, Any, Board]:
-    """Everything that can fail on the user's input, before joining the swarm: device, checkpoint location,
-    validation data (the whole split) and the TensorBoard run."""
+def _prepare(cfg: ExperimentConfig) -> tuple[Invite | None, str, CheckpointKeeper, Any, Board]:
+    """Everything that can fail on the user's input, before joining the swarm: addresses and the invite,
+    device, checkpoint location, validation data (the whole split) and the TensorBoard run."""
     quiet_libraries()
-    check_addresses(cfg.swarm)
+    invite = check_addresses(cfg.swarm)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = resolve_device(cfg.train.device)
@@ -164,30 +165,30 @@ def _prepare(cfg: ExperimentConfig) -> tuple[str, CheckpointKeeper, Any, Board]:
     _, val_set = build_datasets(full_val, cfg.model.img_size)
     out_dir = Path(cfg.train.log_dir) / cfg.swarm.run_id / "monitor"
     save_config(cfg, out_dir / "config.yaml")
-    return device, keeper, val_set, Board(out_dir)
+    return invite, device, keeper, val_set, Board(out_dir)
 
 
 def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[str, Any]:
     """Watch the swarm of ``cfg.swarm.run_id`` until SIGINT/SIGTERM; returns a summary of what was written."""
     started = time.time()
-    device, keeper, val_set, board = _prepare(cfg)
+    invite, device, keeper, val_set, board = _prepare(cfg)
     out_dir = board.logdir
     aggregator = EpochAggregator(cfg.monitor.settle_time, after_epoch=board.last_step)
-    stop, dht, model, evaluator, members = GracefulStop(), None, None, None, None
+    stop, node, model, evaluator = GracefulStop(), None, None, None
     warned: set = set()
     stop.install()
     try:
         validators, public_key = metrics.make_validators(cfg.swarm.run_id)
-        dht = start_dht(cfg.swarm, validators, check_reach=True)
-        check_against_swarm(dht, cfg, only=MONITOR_FIELDS)  # its evaluation needs the swarm's model
-        members = fence.attach(dht, public_key)  # invite-only: its state downloads need a member record
+        node = start_node(cfg.swarm, validators, invite=invite, check_reach=True)
+        check_against_swarm(node.dht, cfg, only=MONITOR_FIELDS)  # its evaluation needs the swarm's model
+        node.fence_averagers(public_key)  # invite-only: its state downloads need a member record
         print(
             f"Monitor of run {cfg.swarm.run_id!r} is up. To join this swarm, run:\n"
-            f"  {join_line_for(dht, cfg, config_name)}",
+            f"  {join_line_for(node, cfg, config_name)}",
             flush=True,
         )
         board.write_hparams(cfg)
-        model = SwarmModel(cfg, dht, device)
+        model = SwarmModel(cfg, node.dht, device)
         evaluator = Evaluator(cfg, model, board, keeper, val_loader(val_set, cfg.data))
         log.info(
             "Writing TensorBoard to %s and checkpoints to %s; evaluating %d images every %d global epochs",
@@ -197,7 +198,7 @@ def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[s
             cfg.monitor.evaluate_every,
         )
         while not stop.event.is_set():
-            _poll(cfg, dht, aggregator, board, evaluator, warned)
+            _poll(cfg, node.dht, aggregator, board, evaluator, warned)
             stop.event.wait(cfg.monitor.poll_every)
     except KeyboardInterrupt:
         if not stop.event.is_set():
@@ -206,19 +207,19 @@ def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[s
         stop.disarm()
         if evaluator is not None:
             evaluator.wait(timeout=60)  # let a checkpoint that is being written finish
-        if dht is not None and evaluator is not None:
-            _poll(cfg, dht, aggregator, board, evaluator, warned, final=True)  # records that came meanwhile
+        if node is not None and evaluator is not None:
+            _poll(
+                cfg, node.dht, aggregator, board, evaluator, warned, final=True
+            )  # records that came meanwhile
         for point in aggregator.ready(time.time(), closing=True):
             if board.write_point(point):
                 _log_point(point)
         board.close()
         stop.restore()
-        if members is not None:
-            members.stop()
         if model is not None:
             model.shutdown()
-        if dht is not None:
-            stop_dht(dht)
+        if node is not None:
+            node.stop()
         remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
     best = "n/a" if keeper.best_acc is None else f"{keeper.best_acc:.4f}"
     log.info("Monitor stopped at global epoch %d; best val acc %s", board.last_step, best)

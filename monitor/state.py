@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from swarm.checkpoint import (
+from swarm.averaging.diloco import shared_state, state_averager_prefix
+from swarm.config import ExperimentConfig
+from swarm.training.checkpoint import (
     CheckpointError,
     check_location,
     checkpoint_exists,
@@ -23,9 +25,7 @@ from swarm.checkpoint import (
     make_checkpoint,
     save_checkpoint,
 )
-from swarm.config import ExperimentConfig
-from swarm.diloco import shared_state, state_averager_prefix
-from swarm.model import SwarmClassifier
+from swarm.training.model import SwarmClassifier
 
 if TYPE_CHECKING:
     import hivemind

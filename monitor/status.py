@@ -7,9 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from swarm import metrics, reach
 from swarm.config import ExperimentConfig
-from swarm.dht import SwarmConnectionError, start_dht, stop_dht
+from swarm.net import metrics, reach
+from swarm.net.node import SwarmConnectionError, start_node
 from swarm.procs import remove_stale_sockets
 
 
@@ -64,10 +64,11 @@ def collect(cfg: ExperimentConfig, timeout: float = 10.0) -> SwarmStatus:
         raise SwarmConnectionError("status needs --initial-peers: the address of any running peer or monitor")
     started = time.time()
     validators, _ = metrics.make_validators(cfg.swarm.run_id)
-    dht = None
+    node = None
     try:
         # inside the try: a p2p daemon that failed to bootstrap leaves its socket file behind too
-        dht = start_dht(cfg.swarm, validators)
+        node = start_node(cfg.swarm, validators)
+        dht = node.dht
         status = SwarmStatus(cfg.swarm.run_id, cfg.swarm.initial_peers[0])
         try:
             status.records = sorted(
@@ -86,8 +87,8 @@ def collect(cfg: ExperimentConfig, timeout: float = 10.0) -> SwarmStatus:
             [str(a) for a in dht.get_visible_maddrs()], cfg.swarm.client_mode, verdict
         )
     finally:
-        if dht is not None:
-            stop_dht(dht)
+        if node is not None:
+            node.stop()
         remove_stale_sockets(since=started, exclude_own=True, settle=2.0)
     return status
 

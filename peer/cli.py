@@ -18,7 +18,14 @@ from typing import Any
 import click
 
 from peer.bench import SCENARIOS as BENCH_SCENARIOS
-from swarm.config import AVERAGING, DATASETS, DEVICES, PRECISIONS, STRATEGIES, ConfigError, build_config
+from peer.options import (
+    averaging_options,
+    checkpoint_options_for,
+    data_options,
+    swarm_options,
+    training_options,
+)
+from swarm.config import AVERAGING, DEVICES, PRECISIONS, STRATEGIES, ConfigError, build_config
 
 
 def _fail_cleanly(func: Callable) -> Callable:
@@ -71,207 +78,6 @@ def _exit_quietly(code: int = 0) -> None:
     os._exit(code)
 
 
-def swarm_options(func: Callable) -> Callable:
-    """Options that every role uses to find the swarm."""
-    options = [
-        click.option(
-            "--config",
-            "config",
-            default=None,
-            help="YAML experiment file, or a bundled name: demo, flagship.",
-        ),
-        click.option(
-            "--run-id", default=None, help="Name of the run; peers with the same run id train together."
-        ),
-        click.option(
-            "--initial-peers",
-            multiple=True,
-            help="Multiaddr of a running peer (repeatable). Omit to start a new swarm.",
-        ),
-        click.option(
-            "--host-maddr",
-            "host_maddrs",
-            multiple=True,
-            help="Listen address, e.g. /ip4/0.0.0.0/tcp/31337 (repeatable).",
-        ),
-        click.option(
-            "--announce-maddr",
-            "announce_maddrs",
-            multiple=True,
-            help="Public address others dial, e.g. /ip4/<public ip>/tcp/31337 (repeatable).",
-        ),
-        click.option("--identity-path", default=None, help="Private key file; keeps the peer id stable."),
-        click.option(
-            "--invite",
-            default=None,
-            help="Invite file from the run's owner (swarm-peer invite); required by an invite-only swarm.",
-        ),
-        click.option(
-            "--client-mode",
-            is_flag=True,
-            default=None,
-            help="Accept no incoming connections (Colab, Kaggle, home NAT).",
-        ),
-        click.option(
-            "--auto-client-mode/--no-auto-client-mode",
-            default=None,
-            help="Ask peers to dial this one back and switch to client mode if none can [on].",
-        ),
-        click.option("--log-dir", default=None, help="Root of runs/<run_id>/... [runs]."),
-        click.option("--verbose", is_flag=True, help="Show hivemind's internal events."),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
-
-
-def averaging_options() -> list[Callable]:
-    return [
-        click.option(
-            "--averaging",
-            type=click.Choice(AVERAGING),
-            default=None,
-            help="gradients: average every step's gradients; diloco: local steps, then an outer step.",
-        ),
-        click.option(
-            "--local-steps", type=int, default=None, help="DiLoCo: inner steps per outer step [50]."
-        ),
-        click.option("--outer-lr", type=float, default=None, help="DiLoCo: outer Nesterov SGD lr [0.7]."),
-        click.option("--outer-momentum", type=float, default=None, help="DiLoCo: outer momentum [0.9]."),
-    ]
-
-
-MAX_DATA_EPOCHS = click.option(
-    "--max-data-epochs",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    help="Stop after this many passes over the training set.",
-)
-
-
-def _apply(options: list[Callable]) -> Callable[[Callable], Callable]:
-    """Decorate with several click options, in the order given."""
-
-    def decorate(func: Callable) -> Callable:
-        for option in reversed(options):
-            func = option(func)
-        return func
-
-    return decorate
-
-
-def pretrained_options() -> list[Callable]:
-    return [
-        click.option(
-            "--pretrained/--no-pretrained",
-            default=None,
-            help="Start from timm's pretrained weights (hub or its cache; a new head for the run's classes).",
-        ),
-        click.option(
-            "--pretrained-file",
-            default=None,
-            metavar="PATH",
-            help="Pretrained weights from this file (safetensors or a torch state dict), for offline use.",
-        ),
-    ]
-
-
-def training_options(func: Callable) -> Callable:
-    """Options of a training peer."""
-    options = [
-        click.option(
-            "--dataset", type=click.Choice(DATASETS), default=None, help="cifar10 or digits (offline)."
-        ),
-        click.option("--data-dir", default=None, help="Folder holding cifar-10-batches-py."),
-        click.option("--download/--no-download", default=None, help="Download CIFAR-10 if missing."),
-        click.option("--model", "model_name", default=None, help="timm model name [vit_base_patch32_224]."),
-        *pretrained_options(),
-        click.option("--batch-size", type=int, default=None, help="Per-step batch size of this peer."),
-        click.option(
-            "--target-batch-size",
-            type=int,
-            default=None,
-            help="Samples the swarm accumulates per optimizer step (global epoch).",
-        ),
-        click.option("--precision", type=click.Choice(PRECISIONS), default=None, help="Numeric precision."),
-        click.option("--device", type=click.Choice(DEVICES), default=None, help="auto, cpu or cuda."),
-        click.option("--max-epochs", type=int, default=None, help="Stop at this global epoch."),
-        click.option("--max-time", type=float, default=None, help="Stop after this many seconds."),
-        MAX_DATA_EPOCHS,
-        click.option("--lr", type=float, default=None, help="Peak learning rate."),
-        click.option("--seed", type=int, default=None, help="This peer's shuffling seed [random]."),
-        click.option("--peer-name", default=None, help="Name in logs and file names [host-pid]."),
-        click.option(
-            "--threads", type=int, default=None, help="torch threads (1 when peers share a machine)."
-        ),
-        click.option("--eval-every", type=int, default=None, help="Validate every N global epochs."),
-        click.option("--log-every", type=float, default=None, help="Seconds between progress lines."),
-        click.option(
-            "--matchmaking-time", type=float, default=None, help="Seconds to form an averaging group."
-        ),
-        click.option(
-            "--averaging-timeout", type=float, default=None, help="Seconds before an all-reduce is cancelled."
-        ),
-        click.option(
-            "--average-state-every",
-            type=click.IntRange(1),
-            default=None,
-            help="Average the parameters (and in DiLoCo the optimizers' state) every N global epochs [1].",
-        ),
-        click.option(
-            "--min-peers",
-            type=click.IntRange(1),
-            default=None,
-            help="Before the first step, wait until this many training peers (this one included) are in "
-            "the swarm [1].",
-        ),
-        click.option(
-            "--reject-factor",
-            type=float,
-            default=None,
-            help="Reject an averaged gradient or state this many times larger than this peer's own; "
-            "0: only non-finite ones [10].",
-        ),
-        click.option(
-            "--limit-train-samples", type=int, default=None, help="Train on the first N images only."
-        ),
-        click.option(
-            "--compression",
-            default=None,
-            metavar="none|fp16|int8|powersgd:<rank>",
-            help="How gradients and parameters travel between peers [none].",
-        ),
-        *averaging_options(),
-        click.option("--inject-fault", default=None, hidden=True, help="Tests only; see swarm/faults.py."),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
-
-
-def checkpoint_options_for(default: str) -> Callable[[Callable], Callable]:
-    """Where checkpoints are read and written; ``default`` is the folder shown in --help."""
-
-    def decorate(func: Callable) -> Callable:
-        options = [
-            click.option(
-                "--checkpoint-uri",
-                default=None,
-                help=f"Folder for best.ckpt/last.ckpt: a path, file://... or s3://bucket/prefix [{default}].",
-            ),
-            click.option(
-                "--s3-endpoint-url",
-                default=None,
-                help="S3-compatible endpoint, e.g. http://127.0.0.1:9000 (MinIO).",
-            ),
-        ]
-        for option in reversed(options):
-            func = option(func)
-        return func
-
-    return decorate
-
-
 checkpoint_options = checkpoint_options_for("<log-dir>/<run-id>/checkpoints")
 
 
@@ -282,7 +88,7 @@ def _config_from(params: dict[str, Any]):
     for key in ("initial_peers", "host_maddrs", "announce_maddrs"):
         params[key] = tuple(params.get(key) or ()) or None
     if params.get("invite") and not params.get("run_id"):
-        from swarm.invite import invite_run_id
+        from swarm.net.invite import invite_run_id
 
         params["run_id"] = invite_run_id(params["invite"])  # the invite names the run
     return build_config(config, params)
@@ -300,7 +106,8 @@ def main() -> None:
 
 @main.command()
 @swarm_options
-@training_options
+@training_options("join")
+@averaging_options
 @click.option(
     "--resume-from",
     default=None,
@@ -346,14 +153,7 @@ def bootstrap(**params: Any) -> None:
 
 @main.command()
 @swarm_options
-@click.option(
-    "--dataset",
-    type=click.Choice(DATASETS),
-    default=None,
-    help="Validation data: cifar10 or digits (offline).",
-)
-@click.option("--data-dir", default=None, help="Folder holding cifar-10-batches-py.")
-@click.option("--download/--no-download", default=None, help="Download CIFAR-10 if missing.")
+@data_options("Validation data: cifar10 or digits (offline).")
 @click.option("--model", "model_name", default=None, help="timm model name; must match the swarm's.")
 @click.option(
     "--device", type=click.Choice(DEVICES), default=None, help="Where to evaluate: auto, cpu or cuda."
@@ -501,29 +301,7 @@ def evaluate(checkpoint: str, split: str, out: str | None, verbose: bool, **para
     default=None,
     help="Resume from this snapshot (or a run folder with snapshots/).",
 )
-@click.option("--inject-fault", default=None, hidden=True, help="Tests only; see swarm/faults.py.")
-@click.option(
-    "--target-batch-size",
-    type=int,
-    default=None,
-    help="Samples per optimizer step (global epoch), as in the swarm.",
-)
-@click.option("--precision", type=click.Choice(PRECISIONS), default=None, help="Numeric precision.")
-@click.option("--device", type=click.Choice(DEVICES), default=None, help="auto, cpu (gloo) or cuda (NCCL).")
-@click.option("--max-epochs", type=int, default=None, help="Stop at this global epoch (optimizer step).")
-@click.option("--max-time", type=float, default=None, help="Stop after this many seconds.")
-@MAX_DATA_EPOCHS
-@click.option("--dataset", type=click.Choice(DATASETS), default=None, help="cifar10 or digits (offline).")
-@click.option("--data-dir", default=None, help="Folder holding cifar-10-batches-py.")
-@click.option("--download/--no-download", default=None, help="Download CIFAR-10 if missing.")
-@click.option("--model", "model_name", default=None, help="timm model name [vit_base_patch32_224].")
-@_apply(pretrained_options())
-@click.option("--lr", type=float, default=None, help="Peak learning rate.")
-@click.option("--seed", type=int, default=None, help="Sampler seed, the same on every rank [0].")
-@click.option("--threads", type=int, default=None, help="torch threads per process.")
-@click.option("--eval-every", type=int, default=None, help="Validate every N global epochs.")
-@click.option("--log-every", type=float, default=None, help="Seconds between progress lines.")
-@click.option("--limit-train-samples", type=int, default=None, help="Train on the first N images only.")
+@training_options("local")
 @click.option("--run-id", default=None, help="Runs land in <log-dir>/<run-id>/<strategy>.")
 @click.option("--log-dir", default=None, help="Root of runs/<run_id>/... [runs].")
 @checkpoint_options_for("<log-dir>/<run-id>/<strategy>/checkpoints")
@@ -541,12 +319,10 @@ def local(**params: Any) -> None:
     params["auto_batch_size"] = True if batch == "auto" else None
     params["batch_size"] = None if batch == "auto" else batch
     cfg = _config_from(params)
+    from peer.cluster import dist_env, run_local  # heavy: torch, timm, lightning
     from swarm.log import setup_logging
-    from swarm.procs import dist_env
 
-    rank = dist_env().rank
-    setup_logging(params["verbose"], quiet=rank != 0)
-    from peer.cluster import run_local  # heavy: torch, timm, lightning
+    setup_logging(params["verbose"], quiet=dist_env().rank != 0)
 
     summary = run_local(cfg)
     if summary:
@@ -595,7 +371,7 @@ def invite(owner_key: str, run_id: str, out: str, expires: str, name: str | None
     import secrets
 
     from swarm.config import SwarmConfig
-    from swarm.invite import describe, load_or_create_owner_key, make_invite, parse_duration
+    from swarm.net.invite import describe, load_or_create_owner_key, make_invite, parse_duration
 
     SwarmConfig(run_id=run_id)  # the same rules as --run-id everywhere else
     name = name or f"invite-{secrets.token_hex(3)}"
@@ -628,7 +404,7 @@ def revoke(
 ) -> None:
     """Revoke invites by name: the owner signs the list and stores it in the run's DHT, and every peer then
     refuses their holders (within about 10 s). Needs a running peer of the run."""
-    from swarm.invite import InviteError, load_or_create_owner_key, make_invite
+    from swarm.net.invite import InviteError, load_or_create_owner_key, make_invite
 
     if not Path(owner_key).is_file():
         raise InviteError(
@@ -638,16 +414,13 @@ def revoke(
     from swarm.log import setup_logging
 
     setup_logging(verbose)
-    from swarm import authorizer, metrics
-    from swarm.dht import start_dht, stop_dht
+    from swarm.net import authorizer, metrics
+    from swarm.net.node import start_node
 
     key, _ = load_or_create_owner_key(owner_key)
     validators, public_key = metrics.make_validators(run_id)
-    dht = start_dht(cfg.swarm, validators, invite=make_invite(key, run_id, "owner", 600.0))
-    try:
-        every = authorizer.revoke(dht, key, run_id, list(names), public_key)
-    finally:
-        stop_dht(dht)
+    with start_node(cfg.swarm, validators, invite=make_invite(key, run_id, "owner", 600.0)) as node:
+        every = authorizer.revoke(node.dht, key, run_id, list(names), public_key)
     click.echo(
         f"Revoked {', '.join(repr(n) for n in names)} in run {run_id!r}; peers refuse them within about "
         f"10 s. Revoked so far: {', '.join(every)}"
@@ -683,7 +456,7 @@ def demo(
     if invite and open_swarm:
         raise click.UsageError("--invite and --open exclude each other")
     if invite and not run_id:
-        from swarm.invite import invite_run_id
+        from swarm.net.invite import invite_run_id
 
         run_id = invite_run_id(invite)
     overrides = {

@@ -24,12 +24,9 @@ from typing import Any
 import lightning as L
 import torch
 
-from swarm.checkpoint import CheckpointError, check_location, join_url, make_checkpoint, save_checkpoint
 from swarm.config import ConfigError, ExperimentConfig, save_config
-from swarm.data import build_datasets, shard_loaders
 from swarm.log import quiet_libraries
-from swarm.logbook import write_hparams
-from swarm.metrics import (
+from swarm.net.metrics import (
     SYS_GPU_MEM,
     SYS_GPU_UTIL,
     TRAIN_DATA_EPOCH,
@@ -39,7 +36,16 @@ from swarm.metrics import (
     VAL_ACC_TOP5,
     VAL_LOSS,
 )
-from swarm.model import (
+from swarm.training.checkpoint import (
+    CheckpointError,
+    check_location,
+    join_url,
+    make_checkpoint,
+    save_checkpoint,
+)
+from swarm.training.data import build_datasets, shard_loaders
+from swarm.training.logbook import write_hparams
+from swarm.training.model import (
     SwarmClassifier,
     autocast_dtype,
     cheap_cuda_checks,
@@ -47,9 +53,8 @@ from swarm.model import (
     param_checksum,
     resolve_device,
 )
-from swarm.procs import DistEnv, dist_env
-from swarm.sysmetrics import CpuMeter, GpuSampler
-from swarm.tuning import largest_batch, step_fits
+from swarm.training.sysmetrics import CpuMeter, GpuSampler
+from swarm.training.tuning import largest_batch, step_fits
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +86,35 @@ class Plan:
     def accumulation(self, batch_size: int, target: int) -> int:
         """Micro-batches per optimizer step so that one step covers about ``target`` samples."""
         return max(1, round(target / (batch_size * self.devices_total)))
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """What the launcher (torchrun, or Lightning for the processes it starts) told this process."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    torchrun: bool = False
+
+
+def dist_env(environ: dict[str, str] | None = None) -> DistEnv:
+    """The one helper that reads the launcher's variables (RANK, LOCAL_RANK, WORLD_SIZE, ...)."""
+    e = os.environ if environ is None else environ
+    local_rank = int(e.get("LOCAL_RANK", 0))
+    node_rank = int(e.get("GROUP_RANK", e.get("NODE_RANK", 0)))
+    local_world = int(e.get("LOCAL_WORLD_SIZE", 1))
+    rank = int(e.get("RANK", node_rank * local_world + local_rank))
+    return DistEnv(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=int(e.get("WORLD_SIZE", 1)),
+        local_world_size=local_world,
+        node_rank=node_rank,
+        torchrun="TORCHELASTIC_RUN_ID" in e,
+    )
 
 
 def make_plan(cfg: ExperimentConfig, env: DistEnv) -> Plan:

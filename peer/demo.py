@@ -13,11 +13,11 @@ import sys
 import time
 from pathlib import Path
 
-from swarm import metrics
 from swarm.config import ExperimentConfig
-from swarm.dht import start_dht, stop_dht
-from swarm.fingerprint import join_line_for
 from swarm.layout import summary_path
+from swarm.net import metrics
+from swarm.net.fingerprint import join_line_for
+from swarm.net.node import start_node
 from swarm.procs import Child, ChildError, GracefulStop, remove_stale_sockets
 
 log = logging.getLogger(__name__)
@@ -29,20 +29,20 @@ def run_bootstrap(cfg: ExperimentConfig, config_name: str | None = None) -> None
     stop = GracefulStop()
     stop.install()
     validators, _ = metrics.make_validators(cfg.swarm.run_id)
-    dht = None
+    node = None
     try:
-        dht = start_dht(cfg.swarm, validators)
+        node = start_node(cfg.swarm, validators)
         print(
             f"Bootstrap peer of run {cfg.swarm.run_id!r} is up. To join, run:\n"
-            f"  {join_line_for(dht, cfg, config_name)}",
+            f"  {join_line_for(node, cfg, config_name)}",
             flush=True,
         )
         while not stop.event.wait(1.0):
             pass
     finally:
         stop.restore()
-        if dht is not None:
-            stop_dht(dht)
+        if node is not None:
+            node.stop()
         remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
 
 
@@ -63,7 +63,7 @@ def _summarise(cfg: ExperimentConfig, names: list[str]) -> list[dict]:
 def _print_monitor(cfg: ExperimentConfig) -> None:
     """Where to look next: the TensorBoard command and the best checkpoint with its accuracy."""
     from monitor.state import BEST
-    from swarm.checkpoint import CheckpointError, join_url, load_checkpoint
+    from swarm.training.checkpoint import CheckpointError, join_url, load_checkpoint
 
     run_dir = Path(cfg.train.log_dir) / cfg.swarm.run_id
     best = join_url(cfg.checkpoint_dir, BEST)
@@ -110,7 +110,7 @@ def _print_summary(cfg: ExperimentConfig, summaries: list[dict], wall: float) ->
 
 def _demo_invite(cfg: ExperimentConfig) -> str:
     """A new owner key and one invite (valid for a day) under the run's folder; the invite's path."""
-    from swarm.invite import describe, load_or_create_owner_key, make_invite
+    from swarm.net.invite import describe, load_or_create_owner_key, make_invite
 
     run_dir = Path(cfg.train.log_dir) / cfg.swarm.run_id
     key, _ = load_or_create_owner_key(run_dir / "owner.pem")

@@ -38,8 +38,8 @@ CLASS_NAMES = {
 def checkpoint_config(payload: dict[str, Any], config: str | None, overrides: dict[str, Any], url: str):
     """The config to evaluate with: ``--config`` (checked against the checkpoint's model) or the one saved in
     the checkpoint, with the flags on top."""
-    from swarm.checkpoint import CheckpointError, check_compatible
     from swarm.config import build_config
+    from swarm.training.checkpoint import CheckpointError, check_compatible
 
     if config is not None:
         cfg = build_config(config, overrides)
@@ -60,7 +60,7 @@ def measure(
     dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
     """Loss, top-1 and top-5 accuracy and the confusion matrix (rows: true class, columns: predicted)."""
-    from swarm.model import accuracy_counts
+    from swarm.training.model import accuracy_counts
 
     net.eval()
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.long)
@@ -133,10 +133,10 @@ def run_evaluate(
     """Evaluate ``checkpoint`` on ``split``; returns the results (also written, see the module docstring)."""
     from torch.utils.tensorboard import SummaryWriter
 
-    from swarm.checkpoint import CheckpointError, load_checkpoint, load_weights
     from swarm.config import replace
-    from swarm.data import build_datasets, val_loader
-    from swarm.model import autocast_dtype, create_model, resolve_device
+    from swarm.training.checkpoint import CheckpointError, load_checkpoint, load_weights
+    from swarm.training.data import build_datasets, val_loader
+    from swarm.training.model import autocast_dtype, create_model, resolve_device
 
     overrides = dict(overrides or {})
     log_dir = overrides.pop("log_dir", None)

@@ -6,7 +6,7 @@ wrong with it. :func:`train` runs that command and prints its lines as they come
 (the stop button) makes the peer leave the swarm cleanly, as Ctrl-C does in a terminal.
 
 The notebook needs no ``--client-mode``: a peer that nobody can dial (a notebook behind NAT) switches to
-client mode by itself after joining (swarm/reach.py) and says so in its log.
+client mode by itself after joining (swarm/net/reach.py) and says so in its log.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from swarm.dht import check_multiaddrs
+from swarm.net.node import check_multiaddrs
 
 
 def join_command(line: str, invite: str = "", extra: str = "") -> list[str]:

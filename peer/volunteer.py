@@ -17,15 +17,18 @@ from typing import Any
 import lightning as L
 import torch
 
-from swarm import fence, metrics, traffic
-from swarm.checkpoint import check_compatible, load_checkpoint, load_weights
+from swarm.averaging.strategy import HivemindStrategy, lr_of
 from swarm.config import ExperimentConfig, save_config
-from swarm.data import build_datasets, peer_seed, train_loader, val_loader
-from swarm.dht import check_addresses, start_dht, stop_dht
-from swarm.fingerprint import ConfigPublisher, check_against_swarm, join_line_for, wait_for_peers
 from swarm.layout import volunteer_dir
 from swarm.log import quiet_libraries
-from swarm.model import (
+from swarm.net import metrics
+from swarm.net.fingerprint import ConfigPublisher, check_against_swarm, join_line_for, wait_for_peers
+from swarm.net.node import check_addresses, start_node
+from swarm.patches import traffic
+from swarm.procs import GracefulStop, remove_stale_sockets
+from swarm.training.checkpoint import check_compatible, load_checkpoint, load_weights
+from swarm.training.data import build_datasets, peer_seed, train_loader, val_loader
+from swarm.training.model import (
     SwarmClassifier,
     autocast_dtype,
     cheap_cuda_checks,
@@ -33,9 +36,7 @@ from swarm.model import (
     param_checksum,
     resolve_device,
 )
-from swarm.procs import GracefulStop, remove_stale_sockets
-from swarm.strategy import HivemindStrategy, lr_of
-from swarm.sysmetrics import CpuMeter, GpuSampler
+from swarm.training.sysmetrics import CpuMeter, GpuSampler
 
 log = logging.getLogger(__name__)
 READ_METRICS_EVERY = 1.0  # seconds between a peer's reads of the swarm's metrics records (progress line)
@@ -67,7 +68,7 @@ class SwarmReporter(L.Callback):
         # the DHT read of the swarm's metrics records in flight, the epoch it started at, and when
         self._reading: tuple[Any, int, float] | None = None
         self.publisher: ConfigPublisher | None = None
-        invite = getattr(strategy.dht, "swarm_invite", None)  # loaded and checked once, by start_dht
+        invite = strategy.node.invite  # read and verified once, by check_addresses
         self.invite_expires = invite.certificate.expires if invite is not None else None
         self._reset_window()
 
@@ -155,7 +156,7 @@ class SwarmReporter(L.Callback):
             return f"Reached data epoch {self.data_epoch():.2f} (max_data_epochs)"
         if train.max_time is not None and time.time() - self.started >= train.max_time:
             return f"Trained for {time.time() - self.started:.0f} s (max_time)"
-        watcher = getattr(self.strategy.dht, "swarm_revocations", None)
+        watcher = self.strategy.node.revocations
         if watcher is not None and watcher.self_revoked.is_set():
             return "The run's owner revoked this peer's invite, and the swarm refuses it"
         if self.invite_expires is not None and time.time() >= self.invite_expires:
@@ -253,14 +254,14 @@ class SwarmReporter(L.Callback):
         reading, records = self._reading, None
         try:
             metrics.publish(
-                self.strategy.dht,
+                self.strategy.node.dht,
                 self.cfg.swarm.run_id,
                 self.public_key,
                 record,
                 self.cfg.swarm.metrics_expiration,
             )
             if reading is None or (reading[0].done() and time.time() - reading[2] >= READ_METRICS_EVERY):
-                future = metrics.request(self.strategy.dht, self.cfg.swarm.run_id)
+                future = metrics.request(self.strategy.node.dht, self.cfg.swarm.run_id)
                 self._reading = (future, int(entry["epoch"]), time.time())
                 if reading is not None:
                     records = metrics.parse_fetched(reading[0].result(), self._warned)
@@ -336,11 +337,12 @@ class SwarmReporter(L.Callback):
             if done
             else None,
             "swarm_samples_per_second": self.swarm_sps,
-            # NVML (swarm/sysmetrics.py); None on a CPU, never 0
+            # NVML (swarm/training/sysmetrics.py); None on a CPU, never 0
             "peak_allocated_gb": self.gpu.peak_allocated_gb() if self.gpu is not None else None,
             "mean_gpu_util": self.gpu.mean_util() if self.gpu is not None else None,
-            # CPU seconds from the first step to the last (swarm/sysmetrics.py): this trainer ("self"), its
-            # DHT process, p2p daemon and averagers ("helpers"), the wall time ("wall"); None without /proc
+            # CPU seconds from the first step to the last (swarm/training/sysmetrics.py): this trainer
+            # ("self"), its DHT process, p2p daemon and averagers ("helpers"), the wall time ("wall"); None
+            # without /proc
             "cpu_seconds": self.cpu.result() if self.cpu is not None else None,
             "skipped_nonfinite_steps": self.strategy.skipped_nonfinite_steps,
             "nonfinite_rollbacks": self.strategy.nonfinite_rollbacks,
@@ -365,7 +367,7 @@ class SwarmReporter(L.Callback):
 
 
 def _round_fields(record: dict[str, Any] | None) -> dict[str, Any]:
-    """The metrics record's round_* fields from one swarm/rounds.py record (none without one)."""
+    """The metrics record's round_* fields from one swarm/averaging/rounds.py record (none without one)."""
     if record is None:
         return {}
     fields = {f"round_{part}": float(record[part]) for part in metrics.ROUND_PARTS}
@@ -447,7 +449,7 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
     """
     started = time.time()
     quiet_libraries()
-    check_addresses(cfg.swarm)
+    invite = check_addresses(cfg.swarm)  # the invite, read and verified once, before any slow work
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = resolve_device(cfg.train.device)
@@ -471,18 +473,18 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
         device,
     )
 
-    stop, dht, strategy, reporter, keeper = GracefulStop(), None, None, None, None
+    stop, node, strategy, reporter = GracefulStop(), None, None, None
     stop.install()
     try:
         validators, public_key = metrics.make_validators(cfg.swarm.run_id)
-        dht = start_dht(cfg.swarm, validators, check_reach=True)
-        check_against_swarm(dht, cfg)  # before any averager exists: a mismatch never touches the swarm
-        keeper = fence.attach(dht, public_key)  # invite-only: our PeerID's proof, our averagers fenced
-        publisher = ConfigPublisher(dht, cfg, public_key, peer_name)
+        node = start_node(cfg.swarm, validators, invite=invite, check_reach=True)
+        check_against_swarm(node.dht, cfg)  # before any averager exists: a mismatch never touches the swarm
+        node.fence_averagers(public_key)  # invite-only: our PeerID's proof, our averagers fenced
+        publisher = ConfigPublisher(node.dht, cfg, public_key, peer_name)
         publisher.maybe_publish()
         strategy = HivemindStrategy.from_swarm_config(
             cfg.swarm,
-            dht=dht,
+            node=node,
             batch_size=cfg.data.batch_size,
             device=device,
             resume_epoch=resume.get("global_epoch"),
@@ -494,7 +496,7 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
             cfg, strategy, public_key, peer_name, val_loader(val_set, cfg.data), stop, len(train_set)
         )
         reporter.publisher = publisher
-        print(f"To join this swarm, run:\n  {join_line_for(dht, cfg, config_name)}", flush=True)
+        print(f"To join this swarm, run:\n  {join_line_for(node, cfg, config_name)}", flush=True)
         _fit(cfg, strategy, reporter, module, train_loader(train_set, cfg.data, seed))
     except KeyboardInterrupt:
         if not stop.event.is_set():
@@ -502,12 +504,10 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
         log.info("Interrupted while %s; leaving now", "starting" if reporter is None else "averaging")
     finally:
         stop.restore()
-        if keeper is not None:
-            keeper.stop()
         if strategy is not None:
-            strategy.shutdown()
-        elif dht is not None:
-            stop_dht(dht)
+            strategy.shutdown()  # stops the node too
+        elif node is not None:
+            node.stop()
         remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
     result = reporter.summary() if reporter is not None else {"peer_name": peer_name, "final_epoch": 0}
     (out_dir / "summary.json").write_text(json.dumps(result, indent=1))

@@ -6,7 +6,7 @@ in ``--averaging diloco``), the parameter averaging rounds, and the state downlo
 * ``none``: float32 everywhere.
 * ``fp16``: gradients and parameters as float16 (2 bytes per number).
 * ``int8``: gradients as 8-bit (hivemind's ``Uniform8BitQuantization``: 256 buckets over +-3 sigma, each
-  decoded to its bucket's mean; tensors under 65 537 numbers go as float16, as in hivemind's albert example),
+  decoded to its bucket's mean; tensors under ``INT8_MIN_SIZE``, 4096 numbers, go as float16),
   parameters as float16. Parameters in 8 bits would lose the weights themselves, not a step's worth of them.
 * ``powersgd:<rank>``: gradients through hivemind's ``PowerSGDGradientAverager`` (each matrix sent as two
   rank-r factors, with error feedback; vectors and matrices that do not shrink by half go whole), parameters
@@ -29,31 +29,6 @@ MODES = ("none", "fp16", "int8", "powersgd:<rank>")
 INT8_MIN_SIZE = 2**12
 
 
-def fix_hivemind_8bit_decoding() -> None:
-    """hivemind 1.1's 8-bit decoder calls ``int()`` on a one-element array, which NumPy >= 2.4 refuses
-    ("only 0-dimensional arrays can be converted to Python scalars"): every int8 round then fails half-way
-    ("received 50% of input tensors") and the peers go on with their local gradients. This installs the same
-    decoder with the one element taken explicitly. Idempotent; averagers forked afterwards inherit it."""
-    import numpy as np
-    import torch
-    from hivemind.compression import quantization
-
-    if getattr(quantization.Quantization.extract, "fixed_by_swarm", False):
-        return
-
-    def extract(self: Any, serialized_tensor: Any) -> torch.Tensor:
-        buffer = serialized_tensor.buffer
-        codebook_size = int(np.frombuffer(buffer, count=1, dtype=np.int64)[0])
-        codebook = np.frombuffer(buffer, offset=8, count=codebook_size, dtype=self.codebook_dtype)
-        quantized = np.frombuffer(buffer, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
-        quantized = torch.as_tensor(quantized, dtype=torch.int64).reshape(tuple(serialized_tensor.size))
-        codebook = torch.as_tensor(codebook).to(dtype=getattr(torch, serialized_tensor.dtype))
-        return codebook[quantized].requires_grad_(serialized_tensor.requires_grad)
-
-    extract.fixed_by_swarm = True  # type: ignore[attr-defined]
-    quantization.Quantization.extract = extract
-
-
 class CompressionError(ValueError):
     """A --compression value that is not one of MODES."""
 
@@ -74,8 +49,9 @@ class Compression:
 
         if self.mode == "fp16":
             return Float16Compression()
-        if self.mode == "int8":
-            fix_hivemind_8bit_decoding()
+        if (
+            self.mode == "int8"
+        ):  # hivemind's 8-bit decoder needs swarm/patches/compression.py with NumPy >= 2.4
             return SizeAdaptiveCompression(
                 threshold=INT8_MIN_SIZE, less=Float16Compression(), greater_equal=Uniform8BitQuantization()
             )

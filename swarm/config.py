@@ -131,7 +131,7 @@ class SwarmConfig:
     client_mode: bool = False
     """Accept no incoming connections; required behind NAT (Colab, Kaggle, home routers)."""
     auto_client_mode: bool = True
-    """After joining, ask up to 3 peers to dial this one back (swarm/reach.py); if none can (NAT, a closed
+    """After joining, ask up to 3 peers to dial this one back (swarm/net/reach.py); if none can (NAT, a closed
     port or security group), switch to client mode and say why in the log. Off: trust client_mode as given."""
     use_relay: bool = True
     """Let libp2p reach peers through relay circuits (hivemind's use_relay), e.g. a peer behind NAT that holds
@@ -142,7 +142,8 @@ class SwarmConfig:
     part to reachable peers and gets the average back."""
     invite: str | None = None
     """Invite file (from `swarm-peer invite`): this peer then takes part only with peers that hold an invite
-    of the same owner, and they only with it (swarm/fence.py). None: an open swarm that anyone may join."""
+    of the same owner, and they only with it (swarm/net/fence.py). None: an open swarm that anyone may
+    join."""
     target_batch_size: int = 4096
     """Samples the whole swarm accumulates before one optimizer step (one global epoch)."""
     matchmaking_time: float = 5.0
@@ -163,8 +164,8 @@ class SwarmConfig:
     of waiting the whole matchmaking_time (hivemind's default; false restores it, for comparisons)."""
     skip_agreed_state_rounds: bool = True
     """Skip an epoch's state round when the gradient round showed that every peer of the swarm already
-    holds the same parameters, optimizer statistics and epoch (swarm/averagers.py item 16); false averages
-    the state at every ``average_state_every``-th epoch regardless, for comparisons."""
+    holds the same parameters, optimizer statistics and epoch (docs/hivemind-patches.md item 16); false
+    averages the state at every ``average_state_every``-th epoch regardless, for comparisons."""
     report_every: float = 0.25
     """Seconds between two of this peer's progress records in the DHT within a global epoch (a new epoch and
     its first samples go at once); 0 stores one after every step, as hivemind does. 0.25 halves the DHT
@@ -176,8 +177,9 @@ class SwarmConfig:
     reject_factor: float = 10.0
     """Reject an averaged gradient longer than this many times this peer's own (or the median of recent
     rounds), and averaged parameters or optimizer statistics this many times larger than this peer's own:
-    the peer steps on its own gradient or keeps its own state instead (swarm/screen.py). 0 turns the size
-    check off; non-finite results are always rejected. A per-peer policy, not part of the swarm's config."""
+    the peer steps on its own gradient or keeps its own state instead (swarm/averaging/screen.py). 0 turns the
+    size check off; non-finite results are always rejected. A per-peer policy, not part of the swarm's
+    config."""
     compression: str = "none"
     """How tensors travel: 'none', 'fp16', 'int8' or 'powersgd:<rank>' (see swarm/compression.py)."""
     averaging: str = "gradients"

@@ -14,13 +14,14 @@ list of ``kind@epoch`` or ``kind@epochxcount`` items, e.g. ``kill:allreduce@5`` 
   has arrived), once the peer has reached epoch E.
 - ``nan_grad@ExN`` / ``inf_grad@ExN``: the first N local steps from epoch E produce NaN (Inf) gradients.
 - ``big_grad@ExN``: the first N local steps from epoch E produce gradients 10,000 times too large and
-  pointing uphill (-10^4 times the true gradient), as an attacker would send them (what swarm/screen.py
-  is for). Only 10,000 times too large, AdamW would barely notice: its update does not depend on the
-  gradient's scale (measured: a swarm with such a peer and no screen went on from val acc 0.66 to 0.89).
+  pointing uphill (-10^4 times the true gradient), as an attacker would send them (what
+  swarm/averaging/screen.py is for). Only 10,000 times too large, AdamW would barely notice: its update does
+  not depend on the gradient's scale (measured: a swarm with such a peer and no screen went on from val acc
+  0.66 to 0.89).
 - ``nan_params@E``: the parameters turn NaN right after the averaging that ends epoch E.
 - ``abandon:join@E``: from global epoch E, the first time the gradient averager asks a leader to take it
   into a group, it gives up before the answer, as a follower whose process is starved for longer than
-  ``request_timeout`` does (the leader has taken it in nonetheless; swarm/averagers.py items 8 and 11).
+  ``request_timeout`` does (the leader has taken it in nonetheless; docs/hivemind-patches.md items 8 and 11).
   Once; the peer lives on. Only a follower asks, so it fires at the first round from E in which this peer
   joins another's group.
 - ``kill:rank@E`` (``swarm-peer local`` only): the last rank SIGKILLs itself when the run reaches global

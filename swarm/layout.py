@@ -18,11 +18,12 @@ JOIN_RE = re.compile(re.escape(JOIN_PREFIX) + r"(\S+)")
 
 
 def join_line(address: str) -> str:
-    """The start of the line a new peer pastes (``swarm.dht.join_command`` adds --config and --run-id)."""
+    """The start of the line a new peer pastes (``swarm.net.node.SwarmNode.join_command`` adds --config and
+    --run-id)."""
     return JOIN_PREFIX + address
 
 
-# the `join` flags of the settings all peers must share (swarm/fingerprint.py); the others have none
+# the `join` flags of the settings all peers must share (swarm/net/fingerprint.py); the others have none
 JOIN_FLAGS = {
     "model_name": "--model",
     "dataset": "--dataset",

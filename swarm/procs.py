@@ -18,7 +18,6 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -311,35 +310,6 @@ class GracefulStop:
                 pass
         remove_stale_sockets(since=self.started, exclude_own=True, settle=2.0)
         os._exit(0)
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    """What the launcher (torchrun, or Lightning for the processes it starts) told this process."""
-
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    local_world_size: int = 1
-    node_rank: int = 0
-    torchrun: bool = False
-
-
-def dist_env(environ: dict[str, str] | None = None) -> DistEnv:
-    """The one helper that reads the launcher's variables (RANK, LOCAL_RANK, WORLD_SIZE, ...)."""
-    e = os.environ if environ is None else environ
-    local_rank = int(e.get("LOCAL_RANK", 0))
-    node_rank = int(e.get("GROUP_RANK", e.get("NODE_RANK", 0)))
-    local_world = int(e.get("LOCAL_WORLD_SIZE", 1))
-    rank = int(e.get("RANK", node_rank * local_world + local_rank))
-    return DistEnv(
-        rank=rank,
-        local_rank=local_rank,
-        world_size=int(e.get("WORLD_SIZE", 1)),
-        local_world_size=local_world,
-        node_rank=node_rank,
-        torchrun="TORCHELASTIC_RUN_ID" in e,
-    )
 
 
 class ChildError(RuntimeError):

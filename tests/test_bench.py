@@ -173,14 +173,14 @@ def test_scaling_repeats_are_summarised_by_their_median_and_range(tmp_path):
 
 
 def test_cpu_meter_counts_this_process_and_its_helper_processes():
-    """CpuMeter (swarm/sysmetrics.py) splits the CPU time of a window between this process and its
+    """CpuMeter (swarm/training/sysmetrics.py) splits the CPU time of a window between this process and its
     descendants: one that burnt CPU and exited (counted through its parent's reaped times), and one that
     burnt CPU and still runs (counted from /proc), as a peer's DHT process and averagers do."""
     import subprocess
     import sys
     import time
 
-    from swarm.sysmetrics import CpuMeter
+    from swarm.training.sysmetrics import CpuMeter
 
     def burn(seconds: float) -> str:
         return f"import time; t = time.process_time()\nwhile time.process_time() - t < {seconds}: pass\n"

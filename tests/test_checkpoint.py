@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from monitor.state import BEST, LAST, CheckpointKeeper
-from swarm.checkpoint import (
+from swarm.config import build_config, replace
+from swarm.training.checkpoint import (
     CheckpointError,
     check_compatible,
     load_checkpoint,
     make_checkpoint,
     save_checkpoint,
 )
-from swarm.config import build_config, replace
-from swarm.model import create_model
+from swarm.training.model import create_model
 from tests.helpers import plain_timm_model
 
 
@@ -199,7 +199,7 @@ def test_a_corrupt_resume_checkpoint_stops_join_in_one_line_and_stays_as_it_was(
 
 def _briefly_trained(cfg, steps: int = 40):
     """The demo's model after a few AdamW steps on the digits: its predictions spread over the classes."""
-    from swarm.data import build_datasets, train_loader
+    from swarm.training.data import build_datasets, train_loader
 
     torch.manual_seed(0)
     net = create_model(cfg.model)
@@ -224,8 +224,8 @@ def test_evaluate_reports_a_checkpoints_test_metrics_from_s3(tmp_path, cfg, s3_s
 
     from monitor.report import test_accuracy
     from peer.cli import main
-    from swarm.data import build_datasets
-    from swarm.logbook import read_run
+    from swarm.training.data import build_datasets
+    from swarm.training.logbook import read_run
 
     net, opt = _briefly_trained(cfg)
     boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket="swarm-ckpts")

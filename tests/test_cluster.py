@@ -15,13 +15,12 @@ import torch
 from click.testing import CliRunner
 
 from peer.cli import main
-from peer.cluster import make_plan
+from peer.cluster import DistEnv, dist_env, make_plan
 from swarm.config import ConfigError, build_config
-from swarm.data import build_datasets, val_loader
-from swarm.logbook import read_run
-from swarm.model import evaluate
-from swarm.procs import DistEnv, dist_env
-from swarm.tuning import largest_batch
+from swarm.training.data import build_datasets, val_loader
+from swarm.training.logbook import read_run
+from swarm.training.model import evaluate
+from swarm.training.tuning import largest_batch
 from swarm.waiting import wait_until
 from tests.helpers import PeerProcess, plain_timm_model
 

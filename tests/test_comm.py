@@ -12,8 +12,9 @@ import time
 import pytest
 import torch
 
-from swarm import traffic
+from swarm import patches
 from swarm.compression import CompressionError, parse_compression
+from swarm.patches import traffic
 from swarm.procs import remove_stale_sockets
 from swarm.waiting import wait_until
 from tests.helpers import PeerProcess, read_summary
@@ -28,7 +29,7 @@ def _average_once(spec: str, grads: list[list[torch.Tensor]]) -> list[list[torch
     import hivemind
 
     comp = parse_compression(spec)
-    traffic.install()
+    patches.install()  # the traffic counter, and the 8-bit decoder that NumPy >= 2.4 needs
     started = time.time()
     dhts, averagers = [], []
     try:
@@ -192,8 +193,8 @@ def test_diloco_peers_end_each_outer_step_equal_and_a_newcomer_loads_inner_and_o
     )
     # ... and until the two donors have too: a donor starved while the newcomer comes up can miss the first
     # round after the join (seen in a fresh clone: `second` a stranger in `first`'s round 45, item 8 of
-    # swarm/averagers.py) and meets the others only in a later one; signalled as soon as `late` reached 46,
-    # `second` was still at 44 and the last outer steps compared below were 45-46 against 43-44
+    # docs/hivemind-patches.md) and meets the others only in a later one; signalled as soon as `late` reached
+    # 46, `second` was still at 44 and the last outer steps compared below were 45-46 against 43-44
     trio = (first, second, late)
     assert wait_until(lambda: min(p.epoch() for p in trio) >= joined + 2, timeout=120), {
         p.name: p.output()[-2000:] for p in trio
@@ -242,9 +243,10 @@ def test_diloco_peers_end_each_outer_step_equal_and_a_newcomer_loads_inner_and_o
         c["loaded_epoch"] >= 2 and loaded["outer_momentum_norm"] > 0 and loaded["inner_exp_avg_sq_sum"] > 0
     ), (c["loaded_epoch"], loaded, late.output()[-3000:])
     # the newcomer holds a donor's anchor of the epoch it announced, exactly: a donor serves its state only
-    # between epoch steps (swarm/averagers.py, item 4). Before that rule, a download during the donor's step
-    # got the new epoch's number with the donor's own update before the group's average (seen: 404.85 between
-    # 406.06 at the epoch it announced and 395.24 at the next). Each peer's own init is far from any anchor.
+    # between epoch steps (docs/hivemind-patches.md item 4). Before that rule, a download during the donor's
+    # step got the new epoch's number with the donor's own update before the group's average (seen: 404.85
+    # between 406.06 at the epoch it announced and 395.24 at the next). Each peer's own init is far from any
+    # anchor.
     loaded_at = str(c["loaded_epoch"])
     anchors = [s["checksums"][loaded_at] for s in (a, b) if loaded_at in s["checksums"]]
     assert any(c["start_checksum"] == pytest.approx(x, rel=1e-6) for x in anchors), (

@@ -114,8 +114,8 @@ def test_help_lists_the_commands():
 
 
 def test_the_join_line_repeats_the_shared_settings_that_flags_changed():
-    from swarm.fingerprint import shared_overrides
     from swarm.layout import JOIN_FLAGS, join_words
+    from swarm.net.fingerprint import shared_overrides
 
     cfg = build_config("demo", {"target_batch_size": 1024, "warmup_epochs": 3, "batch_size": 8}, environ={})
     overrides = shared_overrides(cfg, "demo")

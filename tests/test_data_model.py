@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from swarm.config import DataConfig, ModelConfig, build_config
-from swarm.data import CIFAR_FOLDER, DatasetError, build_datasets, load_cifar10, train_loader
-from swarm.model import ModelError, create_model, lr_lambda
+from swarm.training.data import CIFAR_FOLDER, DatasetError, build_datasets, load_cifar10, train_loader
+from swarm.training.model import ModelError, create_model, lr_lambda
 
 
 def write_cifar(root, n_per_batch: int = 20, seed: int = 0):
@@ -141,7 +141,7 @@ def test_lr_schedule_warms_up_then_decays():
 def test_adamw_takes_the_fused_kernel_where_every_parameter_allows_it():
     """DiLoCo steps after every batch: fused AdamW (0.39 ms against 1.09 ms for the demo model on one thread)
     where parameters are floating point on the CPU or CUDA, torch's default otherwise; the same update."""
-    from swarm.model import SwarmClassifier, optimizer_kernel
+    from swarm.training.model import SwarmClassifier, optimizer_kernel
 
     cfg = build_config("demo", environ={})
     module = SwarmClassifier(cfg.model, cfg.train)
@@ -164,7 +164,7 @@ def test_adamw_takes_the_fused_kernel_where_every_parameter_allows_it():
 def test_metrics_record_schema_rejects_wrong_types():
     from pydantic.v1 import ValidationError
 
-    from swarm.metrics import LocalMetrics
+    from swarm.net.metrics import LocalMetrics
 
     good = dict(
         peer_name="p",
@@ -185,7 +185,7 @@ def test_a_loader_epoch_can_hold_several_passes_over_a_small_set():
     """Cluster mode at a target batch larger than the data set (the scaling bench: 2048 of 1438 digits)."""
     from torch.utils.data import TensorDataset
 
-    from swarm.data import shard_loaders
+    from swarm.training.data import shard_loaders
 
     train = TensorDataset(torch.arange(50).float(), torch.arange(50))
     cfg = DataConfig(num_workers=0)
@@ -242,7 +242,7 @@ def test_pretrained_file_gives_its_weights_and_a_head_seeded_by_init_seed(tmp_pa
 
 
 def test_starting_weights_are_part_of_the_config_fingerprint(tmp_path):
-    from swarm.fingerprint import differences, shared_settings
+    from swarm.net.fingerprint import differences, shared_settings
 
     first, second = tmp_path / "a.pth", tmp_path / "b.pth"
     _saved_weights(first, seed=1)

@@ -17,7 +17,7 @@ from pathlib import Path
 import hivemind
 import pytest
 
-from swarm import metrics
+from swarm.net import metrics
 from swarm.waiting import wait_until
 from tests.helpers import PeerProcess, port_of, read_summary, synced_epochs
 
@@ -140,7 +140,7 @@ VAL_IMAGES = 359  # the demo's validation split of the digits set
 
 def test_a_groupmate_that_never_learnt_of_the_group_is_met_in_the_next_round(peers, tmp_path):
     """A follower gives up on its leader before the answer (``abandon:join``, as a starved process does),
-    while the leader has taken it in (swarm/averagers.py items 8 and 11). The leader drops it from the
+    while the leader has taken it in (docs/hivemind-patches.md items 8 and 11). The leader drops it from the
     all-reduce within ``request_timeout``, skips that epoch's state round and meets it in the next gradient
     round, where the follower still waits. Before item 11 the two waited for each other in different
     averagers (the leader in its state round, the follower in gradient matchmaking) until the
@@ -384,7 +384,7 @@ def test_a_peer_killed_mid_accumulation_in_matchmaking_or_in_allreduce(peers, tm
     for moment, seconds in recovery.items():
         assert seconds < AVERAGING_TIMEOUT + 15, (moment, recovery)
 
-    from swarm.logbook import read_run
+    from swarm.training.logbook import read_run
 
     peer_counts = [int(v) for _, v in read_run(tmp_path / run / "monitor")[0]["swarm/peers"]]
     assert max(peer_counts) >= 3 and peer_counts[-1] == 2, peer_counts

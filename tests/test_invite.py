@@ -1,7 +1,7 @@
-"""Invite-only swarms (swarm/invite.py, swarm/fence.py) on real hivemind DHTs, p2p daemons and averagers on
-127.0.0.1: invited peers average together, and an uninvited client written with hivemind's public API alone
-is refused at every entry point (the DHT's RPCs, rpc_join_group, rpc_aggregate_part, rpc_download_state),
-as are a peer whose invite another owner signed and one whose invite expired."""
+"""Invite-only swarms (swarm/net/invite.py, swarm/net/fence.py) on real hivemind DHTs, p2p daemons and
+averagers on 127.0.0.1: invited peers average together, and an uninvited client written with hivemind's public
+API alone is refused at every entry point (the DHT's RPCs, rpc_join_group, rpc_aggregate_part,
+rpc_download_state), as are a peer whose invite another owner signed and one whose invite expired."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import hivemind
 import pytest
@@ -20,10 +21,9 @@ from click.testing import CliRunner
 from hivemind.averaging import DecentralizedAverager
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarm import authorizer, fence, metrics
 from swarm.config import SwarmConfig
-from swarm.dht import SwarmConnectionError, start_dht
-from swarm.invite import (
+from swarm.net import authorizer, fence, metrics
+from swarm.net.invite import (
     InviteError,
     load_invite,
     load_or_create_owner_key,
@@ -31,6 +31,8 @@ from swarm.invite import (
     revoked_names,
     sign_revocation,
 )
+from swarm.net.node import SwarmConnectionError, SwarmNode, start_node
+from swarm.patches import rpc_guard
 from swarm.procs import remove_stale_sockets
 from swarm.waiting import wait_until
 
@@ -101,13 +103,24 @@ def cleanup():
     started, things = time.time(), []
     yield things
     for thing in reversed(things):
-        thing.stop() if isinstance(thing, fence.MemberKeeper) else thing.shutdown()
+        thing.stop() if isinstance(thing, SwarmNode) else thing.shutdown()
     remove_stale_sockets(since=started, settle=1.0)
 
 
-def _peer(invite: str | None, initial: list[str], cleanup: list) -> hivemind.DHT:
-    """A DHT of this project (started as every role starts it), its member record published; the key its
-    records are signed with is ``dht.record_key``."""
+@dataclass
+class Peer:
+    """A node of this project and the key its records are signed with."""
+
+    node: SwarmNode
+    key: bytes
+
+    @property
+    def dht(self) -> hivemind.DHT:
+        return self.node.dht
+
+
+def _peer(invite: str | None, initial: list[str], cleanup: list) -> Peer:
+    """A node of this project (started as every role starts it), its member record published."""
     cfg = SwarmConfig(
         run_id=RUN,
         host_maddrs=("/ip4/127.0.0.1/tcp/0",),
@@ -116,13 +129,10 @@ def _peer(invite: str | None, initial: list[str], cleanup: list) -> hivemind.DHT
         bootstrap_timeout=5.0,
     )
     validators, public_key = metrics.make_validators(RUN, RSAPrivateKey())
-    dht = start_dht(cfg, validators)
-    cleanup.append(dht)
-    dht.record_key = public_key
-    keeper = fence.attach(dht, public_key)
-    if keeper is not None:
-        cleanup.append(keeper)
-    return dht
+    node = start_node(cfg, validators)
+    cleanup.append(node)
+    node.fence_averagers(public_key)
+    return Peer(node, public_key)
 
 
 def _averager(dht: hivemind.DHT, value: float, cleanup: list) -> DecentralizedAverager:
@@ -213,19 +223,19 @@ def test_invite_command_creates_the_key_once_and_join_refuses_a_bad_invite(tmp_p
 
 def test_invited_peers_average_and_an_uninvited_client_is_refused_everywhere(invites, cleanup):
     a = _peer(invites["alice"], [], cleanup)
-    b = _peer(invites["bob"], [str(m) for m in a.get_visible_maddrs()], cleanup)
-    first, second = _averager(a, 1.0, cleanup), _averager(b, 3.0, cleanup)
+    b = _peer(invites["bob"], [str(m) for m in a.dht.get_visible_maddrs()], cleanup)
+    first, second = _averager(a.dht, 1.0, cleanup), _averager(b.dht, 3.0, cleanup)
     for control in [first.step(wait=False), second.step(wait=False)]:
         assert control.result(timeout=60) is not None, "the two invited peers did not average"
     for averager in (first, second):
         with averager.get_tensors() as (tensor,):
             assert torch.allclose(tensor, torch.full((1000,), 2.0))
 
-    seen = _plain_client(a)
+    seen = _plain_client(a.dht)
     assert seen["read"] == "nothing"  # the member records of a and b are there, but not for it
     for entry in ("join_group", "aggregate_part", "download_state"):
         assert seen[entry].startswith("refused: ") and "is invite-only" in seen[entry], (entry, seen[entry])
-    assert a.get(f"{RUN}_note", latest=True) is None and b.get(f"{RUN}_note", latest=True) is None
+    assert a.dht.get(f"{RUN}_note", latest=True) is None and b.dht.get(f"{RUN}_note", latest=True) is None
     with first.get_tensors() as (tensor,):
         assert torch.allclose(tensor, torch.full((1000,), 2.0))
 
@@ -233,9 +243,9 @@ def test_invited_peers_average_and_an_uninvited_client_is_refused_everywhere(inv
 def test_the_same_client_is_served_by_an_open_swarm(cleanup):
     """The control for the test above: what the uninvited client gets where no fence stands."""
     open_peer = _peer(None, [], cleanup)
-    _averager(open_peer, 1.0, cleanup)
-    seen = _plain_client(open_peer)
-    assert wait_until(lambda: open_peer.get(f"{RUN}_note", latest=True) is not None, timeout=5)
+    _averager(open_peer.dht, 1.0, cleanup)
+    seen = _plain_client(open_peer.dht)
+    assert wait_until(lambda: open_peer.dht.get(f"{RUN}_note", latest=True) is not None, timeout=5)
     assert seen["join_group"].startswith("answered: MessageFromLeader")
     # an unknown group id makes hivemind's handler wait for a group to register (averager.py:588), so the
     # reply varies (BAD_GROUP_ID, or the stream breaks when the client gives up); never a refusal, though
@@ -245,7 +255,7 @@ def test_the_same_client_is_served_by_an_open_swarm(cleanup):
 
 def test_invites_of_another_owner_and_expired_ones_are_refused(tmp_path, invites, cleanup):
     a = _peer(invites["alice"], [], cleanup)
-    address = [str(m) for m in a.get_visible_maddrs()]
+    address = [str(m) for m in a.dht.get_visible_maddrs()]
     with pytest.raises(SwarmConnectionError, match="refuses an invite of another run or owner"):
         _peer(invites["mallory"], address, cleanup)
     with pytest.raises(SwarmConnectionError, match="If the swarm is invite-only, pass the invite"):
@@ -257,51 +267,50 @@ def test_invites_of_another_owner_and_expired_ones_are_refused(tmp_path, invites
 
     def check(peer: hivemind.DHT) -> str:
         try:
-            asyncio.run(gate.check(peer.peer_id, a, "a test"))
+            asyncio.run(gate.check(peer.dht.peer_id, a.dht, "a test"))
             return "admitted"
         except fence.NotInvited as exc:
             return str(exc)
 
     assert check(dave) == "admitted"
     record = _record("dave", 1)
-    assert metrics.publish(dave, RUN, dave.record_key, record, 60).result(timeout=10)
-    assert wait_until(lambda: len(metrics.fetch(a, RUN)) == 1, timeout=10)
+    assert metrics.publish(dave.dht, RUN, dave.key, record, 60).result(timeout=10)
+    assert wait_until(lambda: len(metrics.fetch(a.dht, RUN)) == 1, timeout=10)
     expires = load_invite(tmp_path / "dave.tok").certificate.expires
     time.sleep(max(0.0, expires - time.time()) + 0.5)
     assert "its invite expired" in check(dave)
-    metrics.publish(dave, RUN, dave.record_key, record.copy(update={"global_epoch": 2}), 60).result(
-        timeout=10
-    )
+    metrics.publish(dave.dht, RUN, dave.key, record.copy(update={"global_epoch": 2}), 60).result(timeout=10)
     time.sleep(1.0)
-    assert [r.global_epoch for r in metrics.fetch(a, RUN).values()] == [1]  # its new record never reached A
+    # its new record never reached A
+    assert [r.global_epoch for r in metrics.fetch(a.dht, RUN).values()] == [1]
 
 
 def test_a_revoked_invite_stops_working(tmp_path, invites, cleanup, monkeypatch):
     monkeypatch.setattr(authorizer.RevocationWatcher, "period", 1.0)
     a = _peer(invites["alice"], [], cleanup)
-    bob = _peer(invites["bob"], [str(m) for m in a.get_visible_maddrs()], cleanup)
+    bob = _peer(invites["bob"], [str(m) for m in a.dht.get_visible_maddrs()], cleanup)
     gate = fence.Fence(load_invite(invites["alice"]))
-    asyncio.run(gate.check(bob.peer_id, a, "a test"))  # admitted
+    asyncio.run(gate.check(bob.dht.peer_id, a.dht, "a test"))  # admitted
     revoked = subprocess.run(
         [sys.executable, "-m", "peer", "revoke", "--owner-key", str(tmp_path / "owner.pem"), "--run-id", RUN,
-         "--name", "bob", "--initial-peers", str(a.get_visible_maddrs()[0])],
+         "--name", "bob", "--initial-peers", str(a.dht.get_visible_maddrs()[0])],
         capture_output=True, text=True, timeout=120, start_new_session=True,
     )  # fmt: skip
     assert revoked.returncode == 0, revoked.stderr[-2000:]
     assert "Revoked 'bob' in run 'pytest-invite'" in revoked.stdout
-    assert wait_until(lambda: bob.swarm_revocations.self_revoked.is_set(), timeout=15)
-    assert wait_until(lambda: "bob" in a.swarm_revocations.revoked, timeout=15)
+    assert wait_until(lambda: bob.node.revocations.self_revoked.is_set(), timeout=15)
+    assert wait_until(lambda: "bob" in a.node.revocations.revoked, timeout=15)
     gate.recheck_period = 0.0
     with pytest.raises(fence.NotInvited, match="its invite 'bob' was revoked by the owner"):
-        asyncio.run(gate.check(bob.peer_id, a, "a test"))
+        asyncio.run(gate.check(bob.dht.peer_id, a.dht, "a test"))
     record = _record("bob", 3)
-    metrics.publish(bob, RUN, bob.record_key, record, 60).result(timeout=10)
+    metrics.publish(bob.dht, RUN, bob.key, record, 60).result(timeout=10)
     time.sleep(1.0)
-    assert metrics.fetch(a, RUN) == {}  # what bob writes now never reaches a
+    assert metrics.fetch(a.dht, RUN) == {}  # what bob writes now never reaches a
 
     forged = subprocess.run(  # a revocation signed with another key revokes nothing
         [sys.executable, "-m", "peer", "revoke", "--owner-key", str(tmp_path / "stranger.pem"),
-         "--run-id", RUN, "--name", "alice", "--initial-peers", str(a.get_visible_maddrs()[0])],
+         "--run-id", RUN, "--name", "alice", "--initial-peers", str(a.dht.get_visible_maddrs()[0])],
         capture_output=True, text=True, timeout=120, start_new_session=True,
     )  # fmt: skip
     assert forged.returncode == 1 and "refuses an invite of another run or owner" in forged.stderr
@@ -315,7 +324,7 @@ def test_an_invited_averager_never_calls_an_uninvited_peer(invites, cleanup, mon
     a = _peer(invites["alice"], [], cleanup)
     stranger = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     cleanup.append(stranger)
-    monkeypatch.setattr(fence, "_PROCESS", (fence.Fence(load_invite(invites["alice"])), a))
+    monkeypatch.setattr(rpc_guard, "_PROCESS", (fence.Fence(load_invite(invites["alice"])), a.dht))
     # hivemind caches a servicer's handlers on the first class that asks (p2p/servicer.py,
     # _collect_rpc_handlers), and subclasses inherit that cache: asking on DecentralizedAverager here would
     # give every averager class later forked from this process its handler names (test_rounds failed so)
@@ -323,7 +332,7 @@ def test_an_invited_averager_never_calls_an_uninvited_peer(invites, cleanup, mon
         monkeypatch.setattr(DecentralizedAverager, name, None)
 
     async def download() -> None:
-        p2p = await a.replicate_p2p()
+        p2p = await a.dht.replicate_p2p()
         stub = DecentralizedAverager.get_stub(p2p, stranger.peer_id, namespace=PREFIX)
         await stub.rpc_download_state(averaging_pb2.DownloadRequest())
 

@@ -8,9 +8,9 @@ import pytest
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarm import metrics
 from swarm.config import SwarmConfig
-from swarm.dht import join_command, start_dht, stop_dht
+from swarm.net import metrics
+from swarm.net.node import start_node
 from swarm.procs import remove_stale_sockets
 from swarm.waiting import wait_until
 
@@ -35,19 +35,19 @@ def two_nodes():
     started = time.time()
     local = SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), run_id=RUN_ID)
     validators, key_a = metrics.make_validators(RUN_ID)
-    a = start_dht(local, validators)
-    address = join_command(a).split("--initial-peers ")[1].split()[0]
+    node_a = start_node(local, validators)
+    address = node_a.join_command().split("--initial-peers ")[1].split()[0]
     # node B signs with its own key, as a separate machine would
     validators_b, key_b = metrics.make_validators(RUN_ID, RSAPrivateKey())
-    b = start_dht(
+    node_b = start_node(
         SwarmConfig(host_maddrs=local.host_maddrs, initial_peers=(address,), run_id=RUN_ID),
         validators_b,
     )
     try:
-        yield a, key_a, b, key_b
+        yield node_a.dht, key_a, node_b.dht, key_b
     finally:
-        stop_dht(b)
-        stop_dht(a)
+        node_b.stop()
+        node_a.stop()
         remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
 
 
@@ -82,7 +82,8 @@ def test_dht_survives_requests_from_processes_that_exit_mid_request():
     import os
 
     started = time.time()
-    dht = start_dht(SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), run_id=RUN_ID))
+    node = start_node(SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), run_id=RUN_ID))
+    dht = node.dht
 
     def send_and_vanish() -> None:
         dht.get("some-key", return_future=True)
@@ -97,13 +98,13 @@ def test_dht_survives_requests_from_processes_that_exit_mid_request():
         assert dht.is_alive()
         assert dht.get("some-key", return_future=True).result(timeout=10) is None
     finally:
-        stop_dht(dht)
+        node.stop()
         remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
 
 
 def test_config_fingerprint_refuses_a_mismatch_and_ignores_forged_records(two_nodes):
     from swarm.config import build_config, replace
-    from swarm.fingerprint import (
+    from swarm.net.fingerprint import (
         MONITOR_FIELDS,
         ConfigMismatchError,
         ConfigPublisher,

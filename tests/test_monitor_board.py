@@ -8,7 +8,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from monitor.aggregate import EpochAggregator, EpochPoint, aggregate
 from monitor.board import EVAL_ACC, Board
 from swarm.config import build_config
-from swarm.metrics import LocalMetrics
+from swarm.net.metrics import LocalMetrics
 
 
 def rec(name: str, epoch: int, **kw) -> LocalMetrics:
@@ -84,7 +84,9 @@ def test_a_validation_carried_by_later_records_lands_at_its_epoch_and_rounds_are
     assert points[6].val_acc is None and points[6].train_records == 1
     assert points[6].rounds == {"end": 0.2, "allreduce": 0.05} and points[6].local_steps == 0
     assert points[7].rounds["end"] == pytest.approx(0.4) and points[7].local_steps == 1
-    assert points[6].rejected == 0 and points[7].rejected == 1  # b's screen refused a round (swarm/screen.py)
+    assert (
+        points[6].rejected == 0 and points[7].rejected == 1
+    )  # b's screen refused a round (swarm/averaging/screen.py)
 
 
 def test_closing_releases_finished_epochs_only():

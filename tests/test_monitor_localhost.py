@@ -22,12 +22,12 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from swarm import metrics
-from swarm.checkpoint import load_checkpoint
 from swarm.config import build_config, replace
-from swarm.data import build_datasets, val_loader
-from swarm.model import evaluate, param_checksum
+from swarm.net import metrics
 from swarm.procs import remove_stale_sockets
+from swarm.training.checkpoint import load_checkpoint
+from swarm.training.data import build_datasets, val_loader
+from swarm.training.model import evaluate, param_checksum
 from swarm.waiting import wait_until
 from tests.helpers import PeerProcess, plain_timm_model, read_summary
 

@@ -1,4 +1,4 @@
-"""Peers that others cannot dial find out by themselves and switch to client mode (swarm/reach.py).
+"""Peers that others cannot dial find out by themselves and switch to client mode (swarm/net/reach.py).
 
 On 127.0.0.1 an unreachable peer is one that announces a port nothing listens on (a forgotten port forward, a
 closed security group). In network namespaces (root only) two peers sit behind firewalls that let no
@@ -15,9 +15,9 @@ from dataclasses import replace
 import pytest
 from google.protobuf.wrappers_pb2 import BytesValue
 
-from swarm import reach
 from swarm.config import SwarmConfig
-from swarm.dht import join_command, start_dht, stop_dht
+from swarm.net import reach
+from swarm.net.node import start_node
 from swarm.procs import remove_stale_sockets
 from tests.helpers import PeerProcess, read_summary, synced_epochs
 
@@ -43,19 +43,19 @@ def test_a_peer_that_no_one_can_dial_switches_to_client_mode_and_says_why(caplog
 
     nodes = []
     try:
-        first = start_dht(SwarmConfig(host_maddrs=LOOPBACK, run_id="reach"))
+        first = start_node(SwarmConfig(host_maddrs=LOOPBACK, run_id="reach"))
         nodes.append(first)
-        entry = [str(a) for a in first.get_visible_maddrs()]
+        entry = [str(a) for a in first.dht.get_visible_maddrs()]
         joined = SwarmConfig(host_maddrs=LOOPBACK, run_id="reach", initial_peers=tuple(entry))
 
-        reachable = start_dht(joined, check_reach=True)
+        reachable = start_node(joined, check_reach=True)
         nodes.append(reachable)
         assert not reachable.client_mode
-        assert (reachable.swarm_reach.asked, reachable.swarm_reach.reached) == (1, 1), reachable.swarm_reach
+        assert (reachable.reach.asked, reachable.reach.reached) == (1, 1), reachable.reach
 
         closed = f"/ip4/127.0.0.1/tcp/{_closed_port()}"
-        with caplog.at_level(logging.WARNING, logger="swarm.dht"):
-            hidden = start_dht(
+        with caplog.at_level(logging.WARNING, logger="swarm.net.node"):
+            hidden = start_node(
                 SwarmConfig(
                     host_maddrs=LOOPBACK,
                     run_id="reach",
@@ -66,33 +66,33 @@ def test_a_peer_that_no_one_can_dial_switches_to_client_mode_and_says_why(caplog
             )
         nodes.append(hidden)
         assert hidden.client_mode, "a peer no one could dial stays a full peer"
-        assert hidden.swarm_reach.unreachable and hidden.swarm_reach.addresses == [closed]
+        assert hidden.reach.unreachable and hidden.reach.addresses == [closed]
         (warning,) = [r.getMessage() for r in caplog.records if "switching to client mode" in r.getMessage()]
         # both peers it knows were asked (the first and the reachable one)
         assert (
             f"0 of 2 peers could dial {closed}; all dials failed" in warning and "--announce-maddr" in warning
         ), warning
         # its join line names a peer that others can dial, not its own dead address
-        assert entry[0] in join_command(hidden) and closed not in join_command(hidden)
+        assert entry[0] in hidden.join_command() and closed not in hidden.join_command()
 
         # with the check off, the announced address is trusted as given
         closed2 = f"/ip4/127.0.0.1/tcp/{_closed_port()}"
-        trusting = start_dht(
+        trusting = start_node(
             replace(joined, announce_maddrs=(closed2,), auto_client_mode=False), check_reach=True
         )
         nodes.append(trusting)
-        assert not trusting.client_mode and trusting.swarm_reach is None
+        assert not trusting.client_mode and trusting.reach is None
 
         # a malformed request gets an answer that says so, and the server goes on serving others
-        bad = trusting.run_coroutine(partial(_raw_request, b"\xff{not json", entry[0]))
+        bad = trusting.dht.run_coroutine(partial(_raw_request, b"\xff{not json", entry[0]))
         assert bad == {"reached": None, "why": "malformed request"}
-        other = start_dht(joined)  # no check of its own: its first request
+        other = start_node(joined)  # no check of its own: its first request
         nodes.append(other)
-        good = other.run_coroutine(partial(_raw_request, json.dumps(entry).encode(), entry[0]))
+        good = other.dht.run_coroutine(partial(_raw_request, json.dumps(entry).encode(), entry[0]))
         assert good["reached"] is False  # `entry` is the server's own address, not the caller's
     finally:
         for node in reversed(nodes):
-            stop_dht(node)
+            node.stop()
         remove_stale_sockets(since=0, exclude_own=True, settle=1.0)
 
 

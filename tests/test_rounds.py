@@ -1,4 +1,4 @@
-"""swarm/averagers.py on real hivemind DHTs and averager processes on 127.0.0.1: a group closes as soon as
+"""swarm/patches on real hivemind DHTs and averager processes on 127.0.0.1: a group closes as soon as
 every expected peer is in it, packed buffers average to the exact mean, and a failed round steps on the
 peer's own gradient instead of zeros."""
 
@@ -21,10 +21,12 @@ from hivemind.compression import CompressionInfo, TensorRole
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 
-from swarm import averagers
-from swarm.diloco import DiLoCo, group_formed
+from swarm import patches
+from swarm.averaging.diloco import DiLoCo, group_formed
+from swarm.averaging.screen import RoundScreen, total_norm
+from swarm.patches import allreduce, grad_averager, matchmaking, progress, state_averager
+from swarm.patches import optimizer as wiring
 from swarm.procs import remove_stale_sockets, start_group, stop_group
-from swarm.screen import RoundScreen, total_norm
 from swarm.waiting import wait_until
 
 PROGRESS_ONLY = """
@@ -43,7 +45,7 @@ MATCHMAKING = 30.0  # far longer than any test waits: a round that finishes soon
 @pytest.fixture
 def dhts():
     started = time.time()
-    averagers.install()
+    patches.install()
     first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     nodes = [first]
 
@@ -79,7 +81,7 @@ def _optimizer_beside_a_progress_only_peer(node: hivemind.DHT, net: torch.nn.Mod
         matchmaking_time=2.0,
         averaging_timeout=4.0,
         averager_opts={"request_timeout": 1.5},
-        grad_averager_factory=averagers.round_averager(partial(GradientAverager, request_timeout=1.5)),
+        grad_averager_factory=grad_averager.round_averager(partial(GradientAverager, request_timeout=1.5)),
     )
     peer_b = _progress_only_peer(node, "pytest-rounds-fail", 0)
     try:
@@ -111,7 +113,7 @@ def _state_averagers(nodes: list, nets: list, prefix: str, **options) -> list:
     """The swarm's state averager (SGD, lr 0.1) on each DHT node, over each net's parameters."""
     from hivemind.optim.state_averager import TrainingStateAverager
 
-    cls = averagers._state_averager_class(TrainingStateAverager)
+    cls = state_averager.state_averager_class(TrainingStateAverager)
     sgd = partial(torch.optim.SGD, lr=0.1)
     return [
         cls(dht=node, params=net.parameters(), prefix=prefix, optimizer=sgd, start=True, **options)
@@ -138,7 +140,7 @@ def test_group_closes_when_full_and_packed_buffers_average_exactly(dhts):
     nodes = dhts(3)
     states = [_state(seed) for seed in range(3)]
     expected = [sum(ts) / 3 for ts in zip(*(s for s, _ in states), strict=True)]
-    cls = averagers.packing(DecentralizedAverager)
+    cls = allreduce.packing(DecentralizedAverager)
     assert cls.__name__ == "DecentralizedAverager"  # p2p handler names come from the class name
     group = [
         cls(
@@ -154,7 +156,7 @@ def test_group_closes_when_full_and_packed_buffers_average_exactly(dhts):
     ]
     try:
         for averager in group:
-            averagers.set_target_group_size(averager, 3)
+            matchmaking.set_target_group_size(averager, 3, {})
         began = time.perf_counter()
         controls = [a.step(wait=False, timeout=MATCHMAKING + 10) for a in group]
         results = [c.result(timeout=MATCHMAKING - 5) for c in controls]
@@ -210,7 +212,7 @@ def test_a_groupmate_that_never_joins_is_dropped_and_the_round_ends(dhts, monkey
     )
     # 300 k numbers: more than one part, so each peer reduces some of them (hivemind/averaging/partition.py)
     # the leader names groupmates that never learnt of its group, as the swarm's gradient averagers do
-    namer = type("DecentralizedAverager", (averagers._NamesStrangers, DecentralizedAverager), {})
+    namer = type("DecentralizedAverager", (allreduce.NamesStrangers, DecentralizedAverager), {})
     leader = namer([torch.ones(300_000)], dht=leader_node, **opts)
     # the follower's averager process is forked with the patched class; this process is restored at once
     monkeypatch.setattr(Matchmaking, "_request_join_group", _abandoning_join_request([]))
@@ -218,7 +220,7 @@ def test_a_groupmate_that_never_joins_is_dropped_and_the_round_ends(dhts, monkey
     monkeypatch.undo()
     try:
         for averager in (leader, follower):
-            averagers.set_target_group_size(averager, 2)
+            matchmaking.set_target_group_size(averager, 2, {})
         first = leader.step(wait=False, timeout=MATCHMAKING + 10)
         time.sleep(0.3)  # the leader declared first, so the follower asks it
         lagging = follower.step(wait=False, timeout=MATCHMAKING + 10)
@@ -277,7 +279,7 @@ def test_progress_is_reported_a_few_times_a_second_and_the_last_count_arrives(dh
     (first,) = dhts(1)
     tracker = ProgressTracker(first, "pytest-rounds-report", target_batch_size=10**6, start=True)
     try:
-        averagers.throttle_progress_reports(tracker, 0.25)
+        progress.throttle_progress_reports(tracker, 0.25)
         event = tracker.should_report_progress
         began = time.monotonic()
         for step in range(1, 201):
@@ -322,7 +324,7 @@ def _gradients(net: torch.nn.Module, scale: float, seed: int) -> list[torch.Tens
 @contextmanager
 def _screened_gradient_pair(dhts, prefix: str, own_scale=None):
     """A (the swarm's round averager, its screen wired by ``screen_rounds``) and B, whose averager speaks the
-    swarm's packed format (swarm/averagers.py item 3) but has no screen, on two real DHT nodes. Yields
+    swarm's packed format (docs/hivemind-patches.md item 3) but has no screen, on two real DHT nodes. Yields
     (nets, averagers, opt, screen, rejected, loaded); ``opt`` carries the two attributes of hivemind.Optimizer
     that screen_rounds wraps, and ``loaded`` counts the calls of hivemind's own loading after the screen."""
     node_a, node_b = dhts(2)
@@ -331,18 +333,20 @@ def _screened_gradient_pair(dhts, prefix: str, own_scale=None):
     net_b = torch.nn.Linear(4, 3)
     net_b.load_state_dict(net_a.state_dict())  # the same gradients at the same seed
     common = dict(prefix=prefix, min_matchmaking_time=MATCHMAKING, request_timeout=1.5, start=True)
-    a = averagers.keeping_local_gradients(GradientAverager)(list(net_a.parameters()), dht=node_a, **common)
-    b = averagers.packing(GradientAverager)(list(net_b.parameters()), dht=node_b, **common)
+    a = grad_averager.keeping_local_gradients(GradientAverager)(
+        list(net_a.parameters()), dht=node_a, **common
+    )
+    b = allreduce.packing(GradientAverager)(list(net_b.parameters()), dht=node_b, **common)
     screen, rejected, loaded = RoundScreen(10.0), [], []
     opt = SimpleNamespace(
         grad_averager=a,
         state_averager=SimpleNamespace(),
         _load_averaged_gradients_into_optimizer_=lambda: loaded.append(True),
     )
-    averagers.screen_rounds(opt, screen, lambda *args: rejected.append(args), own_scale=own_scale)
+    wiring.screen_rounds(opt, screen, lambda *args: rejected.append(args), own_scale=own_scale)
     try:
         for averager in (a, b):
-            averagers.set_target_group_size(averager, 2)
+            matchmaking.set_target_group_size(averager, 2, {})
         yield (net_a, net_b), (a, b), opt, screen, rejected, loaded
     finally:
         for averager in (a, b):
@@ -430,7 +434,7 @@ def test_a_state_round_is_skipped_only_when_the_whole_group_sent_one_state(dhts)
         prefix="pytest-rounds-agree", min_matchmaking_time=MATCHMAKING, request_timeout=1.5, start=True
     )
     grads = [
-        averagers.keeping_local_gradients(GradientAverager)(list(net.parameters()), dht=node, **common)
+        grad_averager.keeping_local_gradients(GradientAverager)(list(net.parameters()), dht=node, **common)
         for net, node in zip(nets, nodes, strict=True)
     ]
     held: list[list[dict]] = [[], []]  # each peer's state steps: their keyword arguments
@@ -446,7 +450,7 @@ def test_a_state_round_is_skipped_only_when_the_whole_group_sent_one_state(dhts)
             tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=2)),
             _average_gradients_and_load_into_optimizer=lambda control: control.result(timeout=MATCHMAKING),
         )
-        averagers.skip_state_rounds_in_agreement(opt, lambda *args, _i=i: skipped[_i].append(args))
+        wiring.skip_state_rounds_in_agreement(opt, lambda *args, _i=i: skipped[_i].append(args))
         opts.append(opt)
 
     def one_round() -> list[bool]:
@@ -467,13 +471,13 @@ def test_a_state_round_is_skipped_only_when_the_whole_group_sent_one_state(dhts)
 
     try:
         for averager in grads:
-            averagers.set_target_group_size(averager, 2)
-        assert averagers.state_summary(opts[0]) == averagers.state_summary(opts[1])
+            matchmaking.set_target_group_size(averager, 2, {})
+        assert wiring.state_summary(opts[0]) == wiring.state_summary(opts[1])
         assert one_round() == [False, False]
         assert skipped == [[(1, 2)], [(1, 2)]], skipped
         with torch.no_grad():
             nets[1].weight[0, 0] += 1e-3
-        assert averagers.state_summary(opts[0]) != averagers.state_summary(opts[1])
+        assert wiring.state_summary(opts[0]) != wiring.state_summary(opts[1])
         assert one_round() == [True, True]
         with torch.no_grad():
             nets[1].weight.copy_(nets[0].weight)
@@ -487,20 +491,21 @@ def test_a_state_round_is_skipped_only_when_the_whole_group_sent_one_state(dhts)
 
 def test_a_diloco_round_counts_as_formed_only_while_its_whole_group_awaits_the_trigger(dhts):
     """A DiLoCo peer that finished its inner phase begins the outer round once its group has formed
-    (swarm/diloco.py ``group_formed``), without waiting for its reads of the swarm's progress. A round whose
-    peer looks for a group alone is not formed; once the other peer looks too, both rounds are; once both
-    triggered and the round ended, neither is; nor is a round whose lone search ended at its deadline."""
+    (swarm/averaging/diloco.py ``group_formed``), without waiting for its reads of the swarm's progress. A
+    round whose peer looks for a group alone is not formed; once the other peer looks too, both rounds are;
+    once both triggered and the round ended, neither is; nor is a round whose lone search ended at its
+    deadline."""
     node_a, node_b = dhts(2)
     nets = [torch.nn.Linear(4, 3) for _ in range(2)]
     common = dict(prefix="pytest-rounds-formed", min_matchmaking_time=MATCHMAKING, request_timeout=1.5)
-    cls = averagers.keeping_local_gradients(GradientAverager)
+    cls = grad_averager.keeping_local_gradients(GradientAverager)
     a, b = (
         cls(list(net.parameters()), dht=node, start=True, **common)
         for net, node in zip(nets, (node_a, node_b), strict=True)
     )
     try:
         for averager in (a, b):
-            averagers.set_target_group_size(averager, 2)
+            matchmaking.set_target_group_size(averager, 2, {})
         assert not group_formed(SimpleNamespace(scheduled_grads=None))
         peer_a = SimpleNamespace(scheduled_grads=a.schedule_step(timeout=MATCHMAKING + 10))
         time.sleep(2.0)
@@ -536,7 +541,7 @@ def test_diloco_peers_with_one_anchor_agree_whatever_their_own_inner_adamw_state
     nets[1].load_state_dict(nets[0].state_dict())
     inner = [[torch.full((3, 4), float(i + 1)), torch.tensor(float(10 * i))] for i in range(2)]
     states = [
-        averagers._state_averager_class(TrainingStateAverager)(
+        state_averager.state_averager_class(TrainingStateAverager)(
             dht=node,
             params=net.parameters(),
             prefix="pytest-rounds-diloco-agree",
@@ -549,27 +554,27 @@ def test_diloco_peers_with_one_anchor_agree_whatever_their_own_inner_adamw_state
     opts = [SimpleNamespace(state_averager=state, local_epoch=3) for state in states]
     try:
         shared, local = (
-            [averagers.state_summary(opt, local_extras=flag) for opt in opts] for flag in (False, True)
+            [wiring.state_summary(opt, local_extras=flag) for opt in opts] for flag in (False, True)
         )
-        assert not averagers.in_agreement({i: {"state": s, "peers": 2} for i, s in enumerate(shared)})
-        assert averagers.in_agreement({i: {"state": s, "peers": 2} for i, s in enumerate(local)})
+        assert not wiring.in_agreement({i: {"state": s, "peers": 2} for i, s in enumerate(shared)})
+        assert wiring.in_agreement({i: {"state": s, "peers": 2} for i, s in enumerate(local)})
         with torch.no_grad():
             nets[1].bias[0] += 1e-3
-        moved = [averagers.state_summary(opt, local_extras=True) for opt in opts]
-        assert not averagers.in_agreement({i: {"state": s, "peers": 2} for i, s in enumerate(moved)})
+        moved = [wiring.state_summary(opt, local_extras=True) for opt in opts]
+        assert not wiring.in_agreement({i: {"state": s, "peers": 2} for i, s in enumerate(moved)})
         # one anchor again, but different outer momenta (never averaged): the next outer steps would part them
         with torch.no_grad():
             nets[1].bias.copy_(nets[0].bias)
         for state, scale in zip(states, (1.0, 2.0), strict=True):
             for p in state.optimizer.param_groups[0]["params"]:
                 state.optimizer.state[p]["momentum_buffer"] = torch.full_like(p, scale)
-        momenta = [averagers.state_summary(opt, local_extras=True) for opt in opts]
-        assert not averagers.in_agreement({i: {"state": s, "peers": 2} for i, s in enumerate(momenta)})
+        momenta = [wiring.state_summary(opt, local_extras=True) for opt in opts]
+        assert not wiring.in_agreement({i: {"state": s, "peers": 2} for i, s in enumerate(momenta)})
         for state in states:
             for p in state.optimizer.param_groups[0]["params"]:
                 state.optimizer.state[p]["momentum_buffer"].fill_(1.0)
-        same = [averagers.state_summary(opt, local_extras=True) for opt in opts]
-        assert averagers.in_agreement({i: {"state": s, "peers": 2} for i, s in enumerate(same)})
+        same = [wiring.state_summary(opt, local_extras=True) for opt in opts]
+        assert wiring.in_agreement({i: {"state": s, "peers": 2} for i, s in enumerate(same)})
     finally:
         for state in states:
             state.shutdown()
@@ -584,15 +589,15 @@ def test_only_one_well_formed_state_across_a_whole_group_counts_as_agreement():
     def other(**changes: object) -> dict:
         return {**one, "state": {**state, **changes}}
 
-    assert averagers.in_agreement({"a": one, "b": dict(one)})
-    assert averagers.in_agreement({"a": one, "b": other(norms=[3.0 * (1 + 5e-7), 1.5, 2.0, 0.0])})
-    assert not averagers.in_agreement({"a": one, "b": other(norms=[3.0 * (1 + 2e-6), 1.5, 2.0, 0.0])})
-    assert not averagers.in_agreement({"a": one, "b": other(norms=[3.0, 1.5, 2.0, 1e-30])})
-    assert not averagers.in_agreement({"a": one, "b": other(norms=[3.0, 1.5, 2.0])})
-    assert not averagers.in_agreement({"a": one, "b": other(exact=b"e" * 16)})  # e.g. another epoch
-    assert not averagers.in_agreement({"a": one})  # alone
-    assert not averagers.in_agreement({"a": one, "b": {**one, "peers": 3}})  # B counts one more peer
-    assert not averagers.in_agreement({"a": one, "b": {**one, "state": None}})  # not a state epoch for B
+    assert wiring.in_agreement({"a": one, "b": dict(one)})
+    assert wiring.in_agreement({"a": one, "b": other(norms=[3.0 * (1 + 5e-7), 1.5, 2.0, 0.0])})
+    assert not wiring.in_agreement({"a": one, "b": other(norms=[3.0 * (1 + 2e-6), 1.5, 2.0, 0.0])})
+    assert not wiring.in_agreement({"a": one, "b": other(norms=[3.0, 1.5, 2.0, 1e-30])})
+    assert not wiring.in_agreement({"a": one, "b": other(norms=[3.0, 1.5, 2.0])})
+    assert not wiring.in_agreement({"a": one, "b": other(exact=b"e" * 16)})  # e.g. another epoch
+    assert not wiring.in_agreement({"a": one})  # alone
+    assert not wiring.in_agreement({"a": one, "b": {**one, "peers": 3}})  # B counts one more peer
+    assert not wiring.in_agreement({"a": one, "b": {**one, "state": None}})  # not a state epoch for B
     malformed = (
         None,
         "state",
@@ -606,8 +611,8 @@ def test_only_one_well_formed_state_across_a_whole_group_counts_as_agreement():
         other(exact="d" * 16),
     )
     for junk in malformed:
-        assert not averagers.in_agreement({"a": one, "b": junk}), junk
-    assert not averagers.in_agreement(averagers.Gathered.without({"a": one, "b": one, "c": one}, {"c"}))
+        assert not wiring.in_agreement({"a": one, "b": junk}), junk
+    assert not wiring.in_agreement(allreduce.Gathered.without({"a": one, "b": one, "c": one}, {"c"}))
 
 
 def test_peers_whose_adamw_counted_different_steps_take_the_same_update_at_one_epoch():
@@ -625,7 +630,7 @@ def test_peers_whose_adamw_counted_different_steps_take_the_same_update_at_one_e
             state["step"].fill_(counter)
         _gradients(net, 1.0, seed=1)
         if numbered:  # the state averager has numbered the new epoch 61 when the update runs
-            averagers.number_steps_by_epoch(SimpleNamespace(local_epoch=61), opt)
+            wiring.number_steps_by_epoch(SimpleNamespace(local_epoch=61), opt)
         opt.step()
         return net, opt
 
@@ -659,7 +664,7 @@ def test_an_outsized_averaged_state_is_rejected_and_the_peer_keeps_its_own(dhts)
     a.screen, a.on_rejected = screen, lambda *args: rejected.append(args)
     try:
         for averager in (a, b):
-            averagers.set_target_group_size(averager, 2)
+            matchmaking.set_target_group_size(averager, 2, {})
         opts = dict(averaging_round=True, averaging_opts=dict(timeout=MATCHMAKING + 10))
         other = threading.Thread(target=b.step, kwargs=opts)
         other.start()
@@ -739,16 +744,16 @@ def test_peers_that_average_their_state_leave_the_round_at_one_epoch(dhts):
 
     try:
         for averager in (a, b):
-            averagers.set_target_group_size(averager, 2)
+            matchmaking.set_target_group_size(averager, 2, {})
         assert average(4, 5) == (6, 6)
         assert average(7, 100) == (9, 101)
     finally:
         for averager in (a, b):
             averager.shutdown()
-    assert averagers.sane_epochs({"a": 5, "b": "x", "c": 4, "d": True, "e": 6}, "a") == dict(
+    assert state_averager.sane_epochs({"a": 5, "b": "x", "c": 4, "d": True, "e": 6}, "a") == dict(
         a=5, b=5, c=5, d=5, e=6
     )
-    assert averagers.sane_epochs({"a": None, "b": 7}, "a") == {}
+    assert state_averager.sane_epochs({"a": None, "b": 7}, "a") == {}
 
 
 def test_a_state_round_without_its_group_gives_up_after_find_group_within(dhts):
@@ -769,7 +774,7 @@ def test_a_state_round_without_its_group_gives_up_after_find_group_within(dhts):
     opts = dict(averaging_round=True, averaging_opts=dict(timeout=30.0))
     try:
         for averager in (a, b):
-            averagers.set_target_group_size(averager, 2)
+            matchmaking.set_target_group_size(averager, 2, {})
         began = time.perf_counter()
         a.step(**opts)
         alone = time.perf_counter() - began
@@ -847,9 +852,11 @@ def test_a_state_download_waits_for_the_donors_epoch_step_or_asks_another(dhts):
 def test_a_donor_stores_its_changed_epoch_at_most_once_per_declare_every(dhts, monkeypatch):
     """hivemind stores a donor's record at every change of its priority (the epoch, once per global epoch);
     the swarm's state averager stores a changed priority at most every DECLARE_EVERY seconds, read when it
-    stores (swarm/averagers.py item 18). Three changes 0.5 s apart, within the interval after the first
+    stores (docs/hivemind-patches.md item 18). Three changes 0.5 s apart, within the interval after the first
     record, reach the DHT as one record with the last of them; switching sharing off goes at once."""
-    monkeypatch.setattr(averagers, "DECLARE_EVERY", 8.0)  # before the fork: the averager process reads it
+    monkeypatch.setattr(
+        state_averager, "DECLARE_EVERY", 8.0
+    )  # before the fork: the averager process reads it
     (node,) = dhts(1)
     (donor,) = _state_averagers([node], [torch.nn.Linear(4, 3)], "pytest-rounds-declare")
     key, subkey = "pytest-rounds-declare.all_averagers", donor.peer_id.to_bytes()
@@ -894,7 +901,7 @@ def test_a_step_that_begins_while_the_donor_copies_its_state_is_not_sent_with_th
     (a,) = _state_averagers(
         [node_a], [net], "pytest-rounds-copy-race", next_chunk_timeout=20.0, custom_gradients=True
     )
-    averagers.lock_updates(a, a.optimizer)  # the update holds the lock, as the strategy installs it
+    state_averager.lock_updates(a, a.optimizer)  # the update holds the lock, as the strategy installs it
     for p in net.parameters():
         p.grad = torch.ones_like(p)
     before = [p.detach().clone() for p in net.parameters()]
@@ -948,7 +955,7 @@ def test_a_round_starts_when_the_last_ones_control_is_still_there(dhts):
             return began and fresh is not None and fresh is not used
 
         assert not begin_with_a_used_control(opt_a)  # hivemind's own: no round
-        averagers.never_cancel_rounds(opt_a)
+        wiring.never_cancel_rounds(opt_a)
         assert begin_with_a_used_control(opt_a)
 
 
@@ -976,14 +983,14 @@ def test_a_download_one_epoch_behind_the_swarm_keeps_the_epoch_number_of_its_sta
         load_state_timeout=20.0,
     )
     try:
-        averagers.download_the_epoch_it_names(opt, attempts=2, pause=0.2)
+        wiring.download_the_epoch_it_names(opt, attempts=2, pause=0.2)
         assert wait_until(lambda: opt.tracker.global_epoch == 6, timeout=60), opt.tracker.global_progress
-        with caplog.at_level("INFO", logger="swarm.averagers"):
+        with caplog.at_level("INFO", logger="swarm.patches.optimizer"):
             opt.load_state_from_peers()
         assert opt.local_epoch == 5 and opt.tracker.local_progress.epoch == 5
         for p, q in zip(new_net.parameters(), donor_net.parameters(), strict=True):
             torch.testing.assert_close(p.detach(), q.detach())
-        messages = [r.getMessage() for r in caplog.records if r.name == "swarm.averagers"]
+        messages = [r.getMessage() for r in caplog.records if r.name == "swarm.patches.optimizer"]
         assert messages == [
             "Downloaded the state of global epoch 5 while the swarm is at 6; downloading again",
             "Kept global epoch 5, the epoch of the state downloaded (the swarm is at 6); the next step "
@@ -1013,7 +1020,7 @@ def _two_trackers(dhts, run: str, target: int):
                 node, run, target, max_refresh_period=60.0, private_key=RSAPrivateKey(), start=True
             )
             trackers.append(tracker)
-            averagers.read_soon_while_speeds_unknown(tracker)
+            progress.read_soon_while_speeds_unknown(tracker)
         yield trackers
     finally:
         for tracker in trackers:
@@ -1023,7 +1030,7 @@ def _two_trackers(dhts, run: str, target: int):
 def test_a_tracker_that_finds_nobody_reads_again_within_min_refresh_period(dhts):
     """A tracker plans its first read default_refresh_period (3 s) after its creation, and the next one as
     far after every read that finds no record: peers started together each trained alone that long
-    (swarm/averagers.py item 19). Once item 14's wrapper is installed, it reads every
+    (docs/hivemind-patches.md item 19). Once item 14's wrapper is installed, it reads every
     min_refresh_period (0.5 s) while it finds nobody: at least 3 reads within 8 s (about 15 expected),
     against none (hivemind's plan here: default_refresh_period 30 s)."""
     from hivemind.optim.progress_tracker import ProgressTracker
@@ -1038,7 +1045,7 @@ def test_a_tracker_that_finds_nobody_reads_again_within_min_refresh_period(dhts)
         first = tracker.global_progress  # made at its creation, from no record: the first read 30 s ahead
         assert first.num_peers == 0
         assert first.next_fetch_time - get_dht_time() > 20.0, first
-        averagers.read_soon_while_speeds_unknown(tracker)
+        progress.read_soon_while_speeds_unknown(tracker)
         reads, seen, deadline = 0, first, time.monotonic() + 8.0
         while time.monotonic() < deadline:
             if tracker.global_progress is not seen:
@@ -1064,7 +1071,7 @@ def test_peers_that_meet_before_their_first_samples_read_each_others_progress_so
         a.performance_ema.samples_per_second = 1000.0  # not in A's record, which meet_peers stores
         met: list[int] = []
         both = [
-            threading.Thread(target=lambda t=t: met.append(averagers.meet_peers(t, 2, stop)), daemon=True)
+            threading.Thread(target=lambda t=t: met.append(progress.meet_peers(t, 2, stop)), daemon=True)
             for t in (a, b)
         ]
         try:
@@ -1111,7 +1118,7 @@ def test_a_peer_that_waits_for_the_swarm_reads_its_progress_again_within_min_ref
         def waiting_turn() -> bool:  # one turn of DiLoCo.outer_step's wait
             if a.ready_to_update_epoch:
                 return True
-            averagers.read_within(a, a.min_refresh_period)
+            progress.read_within(a, a.min_refresh_period)
             return False
 
         assert wait_until(waiting_turn, timeout=20, interval=0.02), "A still waits for the planned read"
@@ -1127,7 +1134,7 @@ def test_a_diloco_peer_waiting_for_the_swarm_reads_its_progress_every_waiting_re
     WAITING_READS_EVERY = 0.05 s; at most 5 at 0.5 s), each read planned for within WAITING_READS_EVERY."""
     from hivemind.utils import get_dht_time
 
-    from swarm import diloco
+    from swarm.averaging import diloco
 
     with _two_trackers(dhts, "pytest-rounds-diloco-reads", 16) as (a, b):
         b.performance_ema.samples_per_second = 0.1
@@ -1163,7 +1170,7 @@ def test_a_new_epoch_expects_the_swarm_at_the_speed_of_the_last_read(dhts):
     target = 400
     with _two_trackers(dhts, "pytest-rounds-expect", target) as (a, b):
         for tracker, speed in ((a, 30.0), (b, 50.0)):
-            averagers.expect_the_swarm(tracker)
+            progress.expect_the_swarm(tracker, progress.read_soon_while_speeds_unknown(tracker))
             tracker.performance_ema.samples_per_second = speed
             tracker.local_progress = tracker._get_local_progress(0, 1)  # a first sample, at that speed
             tracker.should_report_progress.set()  # the reporter stores the record
@@ -1230,6 +1237,6 @@ def test_a_peer_waiting_for_a_groupmate_reads_the_declared_averagers_at_most_eve
     gaps = [later - earlier for earlier, later in zip(reads[:-1], reads[1:], strict=True)]
     assert leader == b.peer_id
     assert len(reads) >= 5, reads  # it kept looking while alone
-    assert min(gaps) >= averagers.LEADER_READS_EVERY * 0.95, gaps  # hivemind's own loop: a few ms apart
-    assert len(reads) <= (2.0 + found) / averagers.LEADER_READS_EVERY + 2, len(reads)
-    assert found < 5 * averagers.LEADER_READS_EVERY, found
+    assert min(gaps) >= matchmaking.LEADER_READS_EVERY * 0.95, gaps  # hivemind's own loop: a few ms apart
+    assert len(reads) <= (2.0 + found) / matchmaking.LEADER_READS_EVERY + 2, len(reads)
+    assert found < 5 * matchmaking.LEADER_READS_EVERY, found

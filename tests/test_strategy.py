@@ -10,14 +10,14 @@ import lightning as L
 import pytest
 import torch
 
+from swarm.averaging.guard import StateGuard, SwarmWedgedError
+from swarm.averaging.strategy import HivemindStrategy
 from swarm.config import build_config
-from swarm.data import build_datasets, train_loader
-from swarm.dht import start_dht
 from swarm.faults import FaultInjector, parse_faults
-from swarm.guard import StateGuard, SwarmWedgedError
-from swarm.model import SwarmClassifier, lr_lambda
+from swarm.net.node import start_node
 from swarm.procs import remove_stale_sockets
-from swarm.strategy import HivemindStrategy
+from swarm.training.data import build_datasets, train_loader
+from swarm.training.model import SwarmClassifier, lr_lambda
 
 
 class Recorder(L.Callback):
@@ -51,9 +51,9 @@ def _fit(
         "demo", {"target_batch_size": 64, "batch_size": 32, "limit_train_samples": 512}, environ={}
     )
     started = time.time()
-    dht = start_dht(cfg.swarm)
+    node = start_node(cfg.swarm)
     strategy = HivemindStrategy(
-        dht=dht,
+        node=node,
         run_id="pytest-strategy",
         target_batch_size=target_batch_size,
         batch_size=32,
@@ -87,7 +87,7 @@ def _fit(
     finally:
         strategy.shutdown()
         remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
-    return cfg, strategy, recorder, module, dht
+    return cfg, strategy, recorder, module, node.dht
 
 
 def test_lr_follows_the_global_epoch_and_teardown_stops_everything():
@@ -205,7 +205,7 @@ def test_a_diloco_peer_checks_its_inner_state_before_the_outer_step_and_sends_no
 
 
 def test_all_finite_is_exact_for_nan_inf_and_huge_finite_values():
-    from swarm.guard import all_finite
+    from swarm.averaging.guard import all_finite
 
     tensors = [torch.randn(8, 8) for _ in range(5)] + [torch.randn(3, dtype=torch.float64), torch.arange(4)]
     assert all_finite(tensors)

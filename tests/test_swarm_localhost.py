@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import socket
 
-from swarm.invite import load_or_create_owner_key, make_invite
+from swarm.net.invite import load_or_create_owner_key, make_invite
 from swarm.procs import group_members
 from swarm.waiting import wait_until
 from tests.helpers import PeerProcess, port_of, read_summary, synced_epochs
@@ -91,7 +91,8 @@ def test_peers_train_together(peers, tmp_path):
     # every peer reached global epoch >= 3
     for name, s in summaries.items():
         assert s["final_epoch"] >= 3, (name, s["final_epoch"])
-        # the CPU it and its DHT process, p2p daemon and averagers used while it trained (swarm/sysmetrics.py)
+        # the CPU it and its DHT process, p2p daemon and averagers used while it trained
+        # (swarm/training/sysmetrics.py)
         cpu = s["cpu_seconds"]
         assert cpu["self"] > 0 and cpu["helpers"] > 0 and cpu["wall"] > 0, (name, cpu)
 

@@ -12,8 +12,8 @@ scenario; :data:`SCENARIOS` is the registry that the CLI's ``--scenario`` choice
 * ``wan`` (root only): peers in network namespaces behind 20 Mbit/s links; time to a fixed val acc with
   fp32 and int8 gradient averaging and DiLoCo + int8, against one process.
 * ``attack``: a peer sends outsized, uphill gradients into a swarm; the honest peer's val acc with its screen
-  off and on (swarm/screen.py).
-* ``fence``: two peers open and invite-only in turn: what the fence costs (swarm/fence.py).
+  off and on (swarm/averaging/screen.py).
+* ``fence``: two peers open and invite-only in turn: what the fence costs (swarm/net/fence.py).
 
 Peers run as subprocesses of this command, in their own process groups, and are stopped when it ends.
 """

@@ -1,7 +1,7 @@
 """``attack``: a peer sends gradients 10,000 times too large and pointing uphill (``--inject-fault big_grad``)
 into a swarm of one honest peer, once with the honest peer's screen off (``--reject-factor 0``, the baseline
 of the same run) and once on (the default): the honest peer's val acc before the attack and after it, and
-what it rejected (swarm/screen.py)."""
+what it rejected (swarm/averaging/screen.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``comm``: for each --compression mode and for DiLoCo, two real peers (``swarm-peer join``) train the demo
 model for the same number of samples, with the state (parameters) averaged every 10th global epoch. Bytes
-sent are the averagers' own counters (swarm/traffic.py), per averaging round (global epoch) and per
+sent are the averagers' own counters (swarm/patches/traffic.py), per averaging round (global epoch) and per
 training sample, and apart for gradient and state rounds; validation accuracy is each peer's final one."""
 
 from __future__ import annotations

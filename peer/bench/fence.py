@@ -2,7 +2,7 @@
 then two peers train the demo for a fixed number of global epochs,
 open and invite-only in turn (``pairs`` times each, alternating, so that the machine's noise hits both):
 samples/s of each, and their ratio within each pair. The fence signs and checks every DHT request and
-response and checks each averaging partner (swarm/fence.py)."""
+response and checks each averaging partner (swarm/net/fence.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _store_cost(invite: str | None, run_id: str, stores: int = 300) -> tuple[flo
     from hivemind.utils import get_dht_time
 
     from swarm.config import SwarmConfig
-    from swarm.dht import start_dht, stop_dht
+    from swarm.net.node import start_node
 
     def cpu(pids: list[int]) -> float:
         ticks = 0
@@ -33,25 +33,25 @@ def _store_cost(invite: str | None, run_id: str, stores: int = 300) -> tuple[flo
     nodes: list[Any] = []
     try:
         for _ in range(3):
-            initial = tuple(str(m) for m in nodes[0].get_visible_maddrs()) if nodes else ()
+            initial = tuple(str(m) for m in nodes[0].dht.get_visible_maddrs()) if nodes else ()
             cfg = SwarmConfig(run_id=run_id, host_maddrs=("/ip4/127.0.0.1/tcp/0",), initial_peers=initial,
                               invite=invite)  # fmt: skip
-            nodes.append(start_dht(cfg))
-        writer = nodes[-1]
+            nodes.append(start_node(cfg))
+        writer = nodes[-1].dht
         for i in range(20):  # warm up: routing tables, token verdicts
             writer.store("bench", subkey=b"s", value=i, expiration_time=get_dht_time() + 60)
-        cpu0, wall0 = cpu([n.pid for n in nodes]), time.perf_counter()
+        cpu0, wall0 = cpu([n.dht.pid for n in nodes]), time.perf_counter()
         for i in range(stores):
             writer.store("bench", subkey=b"s", value=i, expiration_time=get_dht_time() + 60)
-        wall, used = time.perf_counter() - wall0, cpu([n.pid for n in nodes]) - cpu0
+        wall, used = time.perf_counter() - wall0, cpu([n.dht.pid for n in nodes]) - cpu0
     finally:
         for node in nodes:
-            stop_dht(node)
+            node.stop()
     return wall / stores * 1000, used / stores * 1000
 
 
 def run(bench: Bench, opts: Options, pairs: int = 3, epochs: int = 60) -> None:
-    from swarm.invite import load_or_create_owner_key, make_invite
+    from swarm.net.invite import load_or_create_owner_key, make_invite
 
     stamp = int(time.time())
     key, _ = load_or_create_owner_key(bench.work / f"bench-fence-{stamp}-owner.pem")

@@ -19,7 +19,7 @@ def _flagship_state(model_name: str) -> tuple[Any, Any]:
     import torch
 
     from swarm.config import build_config
-    from swarm.model import SwarmClassifier
+    from swarm.training.model import SwarmClassifier
 
     cfg = build_config("flagship", {"model_name": model_name, "precision": "32-true"}, environ={})
     torch.manual_seed(0)

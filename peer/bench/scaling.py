@@ -1,11 +1,11 @@
 """``scaling``: K swarm peers against K-rank DDP (gloo) and one process, all through the real CLI, with the
 demo model, 32 samples per worker and step, and a global batch of 2048 (64 per-step batches): samples/s, the
 ratios, and the time that ends each round (median, and split in summary.json). The demo's config averages
-the parameters every global epoch, skipped when the whole group already holds one state (swarm/averagers.py
-item 16); DiLoCo with H local steps follows, over 20 outer rounds; then the same swarm with every one of
-those state rounds held, then with them averaged every 10th (the flagship's ``average_state_every``), then
-with hivemind's own matchmaking (groups wait ``matchmaking_time``), and DDP again. All of it ``--repeats``
-times; the table gives the medians."""
+the parameters every global epoch, skipped when the whole group already holds one state
+(docs/hivemind-patches.md item 16); DiLoCo with H local steps follows, over 20 outer rounds; then the same
+swarm with every one of those state rounds held, then with them averaged every 10th (the flagship's
+``average_state_every``), then with hivemind's own matchmaking (groups wait ``matchmaking_time``), and DDP
+again. All of it ``--repeats`` times; the table gives the medians."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def _one_repeat(bench: Bench, opts: Options, batch: int, per_round: int, repeat:
                 "ddp_vs_k_single": round(ddp_sps / (peers * single_sps), 3),
                 # CPU microseconds per trained sample, all processes of the run while it trained (a peer's
                 # DHT process, p2p daemon and averagers included; the bootstrap not): on a machine whose
-                # cores are all busy, samples/s follows from these (swarm/sysmetrics.py)
+                # cores are all busy, samples/s follows from these (swarm/training/sysmetrics.py)
                 "cpu_us_per_sample": cpu["per_sample"],
                 "helpers_cpu_share": cpu["helpers_share"],
                 "cores_busy": cpu["cores"],
@@ -303,5 +303,5 @@ def _averaged_rate(s: dict[str, Any]) -> float:
 
 
 def _median_end(sums: list[dict[str, Any]]) -> float | None:
-    """The median over all peers' rounds of the time that ended a round (swarm/rounds.py)."""
+    """The median over all peers' rounds of the time that ended a round (swarm/averaging/rounds.py)."""
     return _median([r["end"] for s in sums for r in s.get("rounds", [])])

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from swarm import averagers
+from swarm.patches import progress
 
 if TYPE_CHECKING:
     import hivemind
@@ -112,8 +112,8 @@ def group_formed(opt: hivemind.Optimizer) -> bool:
 
 def read_while_waiting(tracker: Any) -> None:
     """One turn of a waiting peer's reads: have ``tracker`` read the swarm's progress within
-    ``WAITING_READS_EVERY`` (swarm/averagers.py ``read_within``)."""
-    averagers.read_within(tracker, WAITING_READS_EVERY)
+    ``WAITING_READS_EVERY`` (swarm/patches/progress.py ``read_within``)."""
+    progress.read_within(tracker, WAITING_READS_EVERY)
 
 
 class DiLoCo:
@@ -180,8 +180,8 @@ class DiLoCo:
         inner steps this peer took (at least 1). Each inner AdamW step moves the parameters by about the
         same length, so the sum of H steps is at most about H times one step's (the triangle inequality).
         A newcomer that joins a round after 1 inner step, while the others took 16, offers a pseudo-gradient
-        about 16x shorter than the group's mean; the round screen (swarm/screen.py) multiplies its own norm
-        by this, or it would reject that honest round."""
+        about 16x shorter than the group's mean; the round screen (swarm/averaging/screen.py) multiplies its
+        own norm by this, or it would reject that honest round."""
         return self.local_steps / self.steps if 0 < self.steps < self.local_steps else 1.0
 
     def after_inner_step(self, batch_size: int) -> bool:

@@ -24,11 +24,12 @@ TRAIN_DATA_EPOCH = "train/data_epoch"  # passes over the training set: samples i
 VAL_LOSS, VAL_ACC, VAL_ACC_TOP5 = "val/loss", "val/acc", "val/acc_top5"
 SWARM_PEERS, SWARM_EPOCH, SWARM_SPS = "swarm/peers", "swarm/global_epoch", "swarm/samples_per_second"
 SYS_GPU_MEM, SYS_GPU_UTIL = "sys/gpu_mem_gb", "sys/gpu_util"  # per peer in the monitor: sys/gpu_util/<peer>
-# the end of a round, split (swarm/rounds.py): median over the peers that reported the epoch, in seconds
+# the end of a round, split (swarm/averaging/rounds.py): median over the peers that reported the epoch, in
+# seconds
 ROUND_PARTS = ("end", "matchmaking", "allreduce", "state", "update")
 ROUND_TAGS = {part: f"round/{part}_seconds" for part in ROUND_PARTS}
 ROUND_LOCAL = "round/local_steps"  # peers whose gradient round failed and who stepped on their own gradient
-ROUND_REJECTED = "round/rejected"  # peers whose screen refused an averaged result (swarm/screen.py)
+ROUND_REJECTED = "round/rejected"  # peers whose screen refused an averaged result (swarm/averaging/screen.py)
 
 
 def metrics_key(run_id: str) -> str:
@@ -57,12 +58,14 @@ class LocalMetrics(BaseModel):
     round_state: confloat(ge=0.0, strict=True) | None = None
     round_update: confloat(ge=0.0, strict=True) | None = None
     round_local: StrictBool | None = None
-    # this peer's screen (swarm/screen.py) refused this epoch's averaged gradient or state; rounds so far
+    # this peer's screen (swarm/averaging/screen.py) refused this epoch's averaged gradient or state; rounds
+    # so far
     round_rejected: StrictBool | None = None
     rejected_rounds: conint(ge=0, strict=True) | None = None
     # passes over the training set: global epochs x target batch / this peer's training images
     data_epoch: confloat(ge=0.0, strict=True) | None = None
-    # this peer's GPU (NVML, swarm/sysmetrics.py): memory in use in GB and percent of time busy; None on a CPU
+    # this peer's GPU (NVML, swarm/training/sysmetrics.py): memory in use in GB and percent of time busy; None
+    # on a CPU
     gpu_mem_gb: confloat(ge=0.0, strict=True) | None = None
     gpu_util: confloat(ge=0.0, le=100.0, strict=True) | None = None
 
@@ -88,7 +91,7 @@ def members_key(run_id: str) -> str:
 
 
 class MemberRecord(BaseModel):
-    """A peer's proof that it holds an invite (swarm/fence.py): its PeerID (base58), the invite's
+    """A peer's proof that it holds an invite (swarm/net/fence.py): its PeerID (base58), the invite's
     certificate as text, and the invite key's signature over the run and the PeerID (base64)."""
 
     peer_id: constr(max_length=128, strict=True)
@@ -103,14 +106,14 @@ def revoked_key(run_id: str) -> str:
 
 def revocation_records(found) -> list[dict]:
     """The values stored under :func:`revoked_key`, from a ``dht.get(..., latest=True)`` result (maybe None);
-    their signatures are checked by swarm.invite.revoked_names."""
+    their signatures are checked by swarm.net.invite.revoked_names."""
     if found is None or not isinstance(found.value, dict):
         return []
     return [entry.value for entry in found.value.values() if isinstance(entry.value, dict)]
 
 
 class RevocationRecord(BaseModel):
-    """Names of invites the run's owner revoked, when, and the owner's signature (swarm/invite.py)."""
+    """Names of invites the run's owner revoked, when, and the owner's signature (swarm/net/invite.py)."""
 
     names: list[constr(max_length=64, strict=True)]
     issued: StrictFloat

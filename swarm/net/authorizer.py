@@ -4,8 +4,8 @@
 which signs every request and response and has the other side check them. :class:`InviteAuthorizer` makes
 the access token from the invite, so a node refuses requests whose token is not signed by an invite of the
 run's owner and ignores responses from such nodes: an uninvited peer can neither read nor write any record of
-the run (progress, metrics, config, members). swarm.dht.start_dht installs it; the averagers' side is
-swarm/fence.py.
+the run (progress, metrics, config, members). swarm.net.node.start_node installs it; the averagers' side is
+swarm/net/fence.py.
 
 The owner revokes invites by name (``swarm-peer revoke``): a list signed with the owner's key, stored in the
 DHT, which :class:`RevocationWatcher` of every peer reads every few seconds.
@@ -26,8 +26,8 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import AuthorizerBase
 from hivemind.utils.timed_storage import TimedStorage, get_dht_time
 
-from swarm.invite import Certificate, Invite, InviteError, refusal, revoked_names
-from swarm.metrics import revocation_records, revoked_key
+from swarm.net.invite import Certificate, Invite, InviteError, refusal, revoked_names
+from swarm.net.metrics import revocation_records, revoked_key
 
 log = logging.getLogger(__name__)
 
@@ -207,8 +207,8 @@ def revoke(
     names now revoked. ``dht`` must be started with an invite of ``owner``."""
     from hivemind.utils import get_dht_time
 
-    from swarm.invite import sign_revocation
-    from swarm.metrics import RevocationRecord
+    from swarm.net.invite import sign_revocation
+    from swarm.net.metrics import RevocationRecord
 
     found = dht.get(revoked_key(run_id), latest=True, return_future=True).result(timeout)
     records = revocation_records(found)

@@ -5,7 +5,7 @@ The owner of a run holds an Ed25519 key (``owner.pem``). An invite is one JSON f
 - a **certificate** the owner signed: the run id, the invite's name, its expiry, the owner's public key and
   the public half of a key made for this invite alone;
 - that invite key's **private half**, with which the holder proves, without ever sending the file, that it
-  holds the invite: it signs its DHT access token (hivemind's TokenAuthorizerBase, see swarm/fence.py) and
+  holds the invite: it signs its DHT access token (hivemind's TokenAuthorizerBase, see swarm/net/fence.py) and
   a member record that ties its libp2p PeerID to the certificate.
 
 Every peer checks certificates against the owner's public key, which travels in its own invite, so no
@@ -237,7 +237,8 @@ def revocation_bytes(run_id: str, names: list[str], issued: float) -> bytes:
 
 
 def sign_revocation(owner: Ed25519PrivateKey, run_id: str, names: list[str]) -> dict:
-    """A revocation record (swarm.metrics.RevocationRecord's fields): ``names`` may no longer take part."""
+    """A revocation record (swarm.net.metrics.RevocationRecord's fields): ``names`` may no longer take
+    part."""
     issued = round(time.time(), 3)
     signature = owner.sign(revocation_bytes(run_id, names, issued))
     return dict(names=sorted(names), issued=issued, signature=_b64(signature))

@@ -2,9 +2,11 @@
 
 An all-reduce hands each peer the weighted mean of what the group sent. One peer that sends outsized numbers
 (an attacker, or an honest peer with a bug: a wrong normalisation, an fp16 overflow) moves that mean as far
-as it likes, and the guard (swarm/guard.py) only catches non-finite values. The screen judges two results:
+as it likes, and the guard (swarm/averaging/guard.py) only catches non-finite values. The screen judges two
+results:
 
-- **a gradient round** (swarm/averagers.py, item 7): the averaged gradient's norm against ``factor`` times
+- **a gradient round** (docs/hivemind-patches.md item 7): the averaged gradient's norm against ``factor``
+times
   the larger of this peer's own gradient norm of the same round and the median norm of the last accepted
   rounds. A mean of honest gradients is never longer than the longest of them (the triangle inequality), so
   an honest round stays near this peer's own norm; a peer whose gradient is 10,000 times too large moves
@@ -32,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from swarm.guard import all_finite
+from swarm.averaging.guard import all_finite
 
 
 def total_norm(tensors: Sequence[torch.Tensor]) -> float:
@@ -69,7 +71,7 @@ class RoundScreen:
     ) -> str | None:
         """None if the averaged gradient may be applied, else why not (with the figures). ``own_scale``
         multiplies this peer's own norm where its share of the round was shorter than an honest peer's can
-        be (a DiLoCo peer that took fewer inner steps than the others: swarm/diloco.py)."""
+        be (a DiLoCo peer that took fewer inner steps than the others: swarm/averaging/diloco.py)."""
         norm, mine = total_norm(averaged), total_norm(own)
         reference = max([mine * own_scale] + ([statistics.median(self.norms)] if self.norms else []))
         if not math.isfinite(norm):

@@ -1,7 +1,7 @@
 """The swarm's config fingerprint: a newcomer whose model or schedule differs from the swarm's is refused
 before it can average anything into the swarm.
 
-Every training peer publishes a signed :class:`swarm.metrics.ConfigRecord` under ``f"{run_id}_config"``:
+Every training peer publishes a signed :class:`swarm.net.metrics.ConfigRecord` under ``f"{run_id}_config"``:
 a hash of the settings that all peers of a run must share (the model's shape, the data set, the target
 batch and the optimizer schedule) and those settings in plain text. A peer reads the records of the live
 peers right after its DHT starts, before it builds ``hivemind.Optimizer`` (whose averagers are what
@@ -17,12 +17,13 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from swarm.metrics import ConfigRecord, config_key, subkey_entries
+from swarm.net.metrics import ConfigRecord, config_key, subkey_entries
 
 if TYPE_CHECKING:
     import hivemind
 
     from swarm.config import ExperimentConfig
+    from swarm.net.node import SwarmNode
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +51,12 @@ def shared_overrides(cfg: ExperimentConfig, config_name: str | None) -> dict[str
     return {key.split(".", 1)[1]: value for key, value in mine.items() if base[key] != value}
 
 
-def join_line_for(dht: hivemind.DHT, cfg: ExperimentConfig, config_name: str | None) -> str:
+def join_line_for(node: SwarmNode, cfg: ExperimentConfig, config_name: str | None) -> str:
     """The join line of this node, with the shared settings it changed from its config file repeated."""
-    from swarm.dht import join_command
     from swarm.layout import join_words
 
     settings, environment = join_words(shared_overrides(cfg, config_name))
-    return join_command(dht, cfg.swarm.run_id, config_name, settings, environment)
+    return node.join_command(cfg.swarm.run_id, config_name, settings, environment)
 
 
 class ConfigMismatchError(RuntimeError):
@@ -67,7 +67,7 @@ def shared_settings(cfg: ExperimentConfig, weights: bool = True) -> dict[str, st
     """``section.field`` -> value (as text) of the settings every peer must share, and, for a model that
     starts from pretrained weights, ``model.weights``: their hash (``weights=False`` leaves it out, since
     it may build the model; random weights leave it out too, as peers before it did)."""
-    from swarm.model import uses_pretrained, weights_id
+    from swarm.training.model import uses_pretrained, weights_id
 
     fields = {
         f"{section}.{name}": str(getattr(getattr(cfg, section), name))

@@ -9,7 +9,7 @@ so it must run in client mode. Users rarely know which case they are in, so the 
    (no listening address, no relay, so no existing connection or circuit can answer for the caller) and
    dials the caller's PeerID at those addresses, within :data:`DIAL_TIMEOUT` seconds.
 2. After joining, a new peer asks up to :data:`MAX_ASKED` of the peers it knows (:func:`check`). If some
-   answered and none could dial it, :func:`swarm.dht.start_dht` restarts its DHT in client mode and logs
+   answered and none could dial it, :func:`swarm.net.node.start_node` restarts its DHT in client mode and logs
    one line that says why. If nobody could answer (an old version, or the first peer), nothing changes.
 
 Abuse: a dial-back makes the server open one connection to addresses of the caller's choosing. So a server
@@ -32,7 +32,7 @@ from google.protobuf.wrappers_pb2 import BytesValue
 
 log = logging.getLogger(__name__)
 
-HANDLER = "swarm.reach.DialBack"
+HANDLER = "swarm.reach.DialBack"  # the p2p protocol name other peers call: keep it
 DIAL_TIMEOUT = 5.0  # seconds for one dial-back (a TCP and TLS handshake across the internet)
 MAX_ASKED = 3  # peers asked at once
 MAX_ADDRESSES = 4  # addresses dialled per check

@@ -11,12 +11,12 @@ A round ends in the local step at which the swarm has ``target_batch_size`` samp
 * ``other``: the rest (hivemind's bookkeeping, the progress tracker, finiteness checks).
 
 ``outcome`` says what the update used: ``averaged`` (the group's average, ``group`` peers), ``local`` (the
-round failed; this peer's own gradient of the round, see swarm/averagers.py) or ``alone`` (no other peer).
-``strangers`` counts the groupmates that never learnt of this peer's gradient group (swarm/averagers.py item
-11: the state round of that epoch is skipped). ``rejected`` lists the averaged results this peer's screen
-refused in the round (``gradient``, ``state``; see swarm/screen.py): a rejected gradient round also steps on
-this peer's own gradient. ``agreed`` is true when the epoch's state round was skipped because the whole
-group already held one state (swarm/averagers.py item 16).
+round failed; this peer's own gradient of the round, see swarm/patches/grad_averager.py) or ``alone`` (no
+other peer). ``strangers`` counts the groupmates that never learnt of this peer's gradient group
+(docs/hivemind-patches.md item 11: the state round of that epoch is skipped). ``rejected`` lists the averaged
+results this peer's screen refused in the round (``gradient``, ``state``; see swarm/averaging/screen.py): a
+rejected gradient round also steps on this peer's own gradient. ``agreed`` is true when the epoch's state
+round was skipped because the whole group already held one state (docs/hivemind-patches.md item 16).
 """
 
 from __future__ import annotations

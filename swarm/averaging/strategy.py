@@ -2,8 +2,8 @@
 
 Usage from any Lightning script::
 
-    dht = swarm.dht.start_dht(SwarmConfig(initial_peers=(...,)))
-    trainer = L.Trainer(strategy=HivemindStrategy(dht=dht, run_id="my-run", target_batch_size=4096,
+    node = swarm.net.node.start_node(SwarmConfig(initial_peers=(...,)))
+    trainer = L.Trainer(strategy=HivemindStrategy(node=node, run_id="my-run", target_batch_size=4096,
                                                   batch_size=64), max_epochs=-1)
     trainer.fit(module, loader)
 
@@ -11,7 +11,8 @@ The strategy wraps the module's single optimizer in ``hivemind.Optimizer``. Ever
 gradients to the swarm's accumulator; once the swarm has ``target_batch_size`` samples, peers average
 their gradients and take one optimizer step together (one *global epoch*). Learning-rate schedulers
 from ``configure_optimizers`` advance with the global epoch, not with the local step. The strategy owns
-the DHT it is given: teardown (also after an error or Ctrl-C) shuts down the optimizer, then the DHT.
+the node it is given: teardown (also after an error or Ctrl-C) shuts down the optimizer, then the node.
+What the strategy changes in hivemind is in swarm/patches (installed and wired in ``_wrap_optimizer``).
 
 AMP: ``precision="bf16-mixed"`` needs no scaler. ``precision="16-mixed"`` (CUDA) uses Lightning's standard
 GradScaler, which unscales each local step's gradients before hivemind accumulates them and skips steps
@@ -35,22 +36,24 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from swarm import averagers, fence, traffic
+from swarm import patches
+from swarm.averaging.diloco import DiLoCo
+from swarm.averaging.guard import StateGuard, SwarmWedgedError, all_finite
+from swarm.averaging.rounds import RoundClock
+from swarm.averaging.screen import RoundScreen
 from swarm.compression import parse_compression
 from swarm.config import AVERAGING, SwarmConfig
-from swarm.dht import stop_dht
-from swarm.diloco import DiLoCo
-from swarm.guard import StateGuard, SwarmWedgedError, all_finite
 from swarm.log import quiet_hivemind
+from swarm.patches import grad_averager, matchmaking, progress, traffic
+from swarm.patches.optimizer import Wired, Wiring, wire
 from swarm.procs import p2p_daemon_alive
-from swarm.rounds import RoundClock
-from swarm.screen import RoundScreen
 
 if TYPE_CHECKING:
     import hivemind
     import lightning.pytorch as pl
 
     from swarm.faults import FaultInjector
+    from swarm.net.node import SwarmNode
 
 log = logging.getLogger(__name__)
 REJECTED_IN_ROW = 3  # rejected averaging rounds (of one kind) in a row that earn one louder line
@@ -96,7 +99,7 @@ class HivemindStrategy(SingleDeviceStrategy):
     """Train as one peer of a hivemind swarm. See the module docstring for behaviour and usage.
 
     Args:
-        dht: a started ``hivemind.DHT`` (from ``swarm.dht.start_dht``); the strategy shuts it down.
+        node: a started ``SwarmNode`` (from ``swarm.net.node.start_node``); the strategy stops it.
         run_id: name of the run; all peers with this run_id average with each other.
         target_batch_size: samples the swarm accumulates per global epoch (optimizer step).
         batch_size: this peer's per-step batch size.
@@ -115,15 +118,16 @@ class HivemindStrategy(SingleDeviceStrategy):
         verbose: let hivemind log its internal events at INFO level.
         faults: a FaultInjector (tests only): kills and corrupted numbers at chosen moments.
         compression: 'none', 'fp16', 'int8' or 'powersgd:<rank>' (see swarm/compression.py).
-        averaging: 'gradients' (every global step averages gradients) or 'diloco' (see swarm/diloco.py:
+        averaging: 'gradients' (every global step averages gradients) or 'diloco' (see
+        swarm/averaging/diloco.py:
             ``local_steps`` inner steps of the module's optimizer, then an outer Nesterov SGD step with
             ``outer_lr`` and ``outer_momentum`` on the averaged pseudo-gradient).
         close_groups_early: close an averaging group as soon as every peer that reports progress is in it
-            (hivemind's own default waits the whole ``matchmaking_time``; see swarm/averagers.py).
+            (hivemind's own default waits the whole ``matchmaking_time``; see swarm/patches/matchmaking.py).
         report_every: seconds between two progress records in the DHT within a global epoch (hivemind
             stores one after every step; 0 restores that). A new epoch is reported at once.
         skip_agreed_state_rounds: skip a state round when the gradient round showed the whole swarm holding
-            one state already (gradient averaging only; see swarm/averagers.py item 16).
+            one state already (gradient averaging only; see docs/hivemind-patches.md item 16).
         optimizer_kwargs: passed on to ``hivemind.Optimizer``.
     """
 
@@ -132,7 +136,7 @@ class HivemindStrategy(SingleDeviceStrategy):
     def __init__(
         self,
         *,
-        dht: hivemind.DHT,
+        node: SwarmNode,
         run_id: str,
         target_batch_size: int,
         batch_size: int,
@@ -161,7 +165,7 @@ class HivemindStrategy(SingleDeviceStrategy):
     ) -> None:
         super().__init__(device=device)
         quiet_hivemind(verbose)
-        self.dht, self.run_id = dht, run_id
+        self.node, self.run_id = node, run_id
         self.target_batch_size, self.batch_size = target_batch_size, batch_size
         self.load_state_on_start, self.request_timeout = load_state_on_start, request_timeout
         self.hivemind_opt: hivemind.Optimizer | None = None
@@ -172,10 +176,11 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.close_groups_early, self.report_every = close_groups_early, report_every
         self.skip_agreed_state_rounds = skip_agreed_state_rounds
         self.agreed_state_rounds = 0  # state rounds skipped because the swarm held one state already
-        self.screen = RoundScreen(reject_factor)  # judges every averaged result (swarm/screen.py)
+        self.screen = RoundScreen(reject_factor)  # judges every averaged result (swarm/averaging/screen.py)
         self._nonfinite_in_row = 0  # local steps in a row with non-finite gradients
         self.clock: RoundClock | None = None
-        self._update_hooks: list[Any] = []
+        self._wired: Wired | None = None  # what swarm/patches/optimizer.py hung on the optimizer
+        self._group_sizes: dict[int, int | None] = {}  # the target group size last sent to each averager
         # wall time of the optimizer steps that ended a global epoch: waiting for the other peers' samples,
         # matchmaking, the all-reduce and the update (the part of a round that is not this peer's compute)
         self.round_end_seconds = 0.0
@@ -198,7 +203,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             next_chunk_timeout=next_chunk_timeout,
             delay_state_averaging=False,
             # to the state averager only; peers that average their state take the group's newest epoch, and
-            # look for their state group for at most twice matchmaking_time (swarm/averagers.py item 12)
+            # look for their state group for at most twice matchmaking_time (docs/hivemind-patches.md item 12)
             averager_opts={
                 "request_timeout": request_timeout,
                 "sync_epoch_when_averaging": True,
@@ -213,7 +218,7 @@ class HivemindStrategy(SingleDeviceStrategy):
 
     @classmethod
     def from_swarm_config(
-        cls, swarm: SwarmConfig, *, dht: hivemind.DHT, batch_size: int, **kwargs: Any
+        cls, swarm: SwarmConfig, *, node: SwarmNode, batch_size: int, **kwargs: Any
     ) -> HivemindStrategy:
         """The strategy with every averaging setting taken from ``swarm`` (``kwargs`` add or override)."""
         fields = dict(
@@ -235,7 +240,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             reject_factor=swarm.reject_factor,
             skip_agreed_state_rounds=swarm.skip_agreed_state_rounds,
         )
-        return cls(dht=dht, batch_size=batch_size, **{**fields, **kwargs})
+        return cls(node=node, batch_size=batch_size, **{**fields, **kwargs})
 
     # ---- properties that roles and callbacks read -------------------------------------------------
     @property
@@ -245,22 +250,22 @@ class HivemindStrategy(SingleDeviceStrategy):
 
     @property
     def bytes_sent(self) -> float:
-        """Bytes this process has sent in averaging rounds (swarm/traffic.py)."""
+        """Bytes this process has sent in averaging rounds (swarm/patches/traffic.py)."""
         return traffic.bytes_sent()
 
     def meet_peers(self, count: int, stop: Any, within: float = 10.0) -> int:
         """Peers started together (``--min-peers``): before the first step, until this peer's progress
-        tracker sees ``count`` peers (``averagers.meet_peers``); returns how many it sees."""
+        tracker sees ``count`` peers (swarm/patches/progress.py ``meet_peers``); returns how many it sees."""
         if self.hivemind_opt is None or count <= 1:
             return 1
-        return averagers.meet_peers(self.hivemind_opt.tracker, count, stop, within)
+        return progress.meet_peers(self.hivemind_opt.tracker, count, stop, within)
 
     # ---- Lightning hooks --------------------------------------------------------------------------
     def on_train_start(self) -> None:
         # after the callbacks' on_train_start (the volunteer's wait for peers and first validation), right
         # before the first step: hivemind's speed estimate times its first samples from when the tracker was
         # made, so start-up made the first speed a few samples/s and the swarm's first estimate of the time to
-        # the target 25 s (averagers.py item 14)
+        # the target 25 s (docs/hivemind-patches.md item 14)
         super().on_train_start()
         if self.hivemind_opt is not None:
             self.hivemind_opt.tracker.performance_ema.reset_timer()
@@ -272,7 +277,6 @@ class HivemindStrategy(SingleDeviceStrategy):
 
     def _wrap_optimizer(self) -> None:
         import hivemind
-        from hivemind.optim.grad_averager import GradientAverager
 
         if len(self.optimizers) != 1:
             raise MisconfigurationException(
@@ -285,32 +289,14 @@ class HivemindStrategy(SingleDeviceStrategy):
                 raise MisconfigurationException(
                     f"the checkpoint's optimizer state does not fit: {exc}"
                 ) from None
-        traffic.install()  # before hivemind starts its averager processes
-        averagers.install()
-        self._members = fence.attach(self.dht)  # invite-only: fenced averagers (a no-op if the role did it)
+        # before hivemind starts its averager processes (they fork with the classes as they are then)
+        patches.install()
+        self.node.fence_averagers()  # invite-only: fenced averagers (a no-op if the role did it, or open)
         inner = self.optimizers[0]
         # DiLoCo's inner steps reach the swarm only through the outer step, where the guard checks once
         params = [p for group in inner.param_groups for p in group["params"]]
         self.guard = StateGuard(params, inner, each_step=self.averaging != "diloco")
-        grad_kwargs: dict[str, Any] = dict(request_timeout=self.request_timeout)
-        if self.compression.mode != "powersgd":
-            # Nobody downloads a plain gradient averager's state (hivemind.Optimizer fetches it after the
-            # state averager's and drops it, optimizer.py:697), yet as a donor it stored a declaration in
-            # the DHT at every global epoch: 4 of the 30 DHT requests a second of a scaling-bench peer.
-            # PowerSGD's averager shares its Q buffers that way and keeps doing so.
-            grad_kwargs["allow_state_sharing"] = False
-        if self.faults is not None:
-            if self.compression.mode == "powersgd":
-                raise MisconfigurationException(
-                    "fault injection cannot be combined with powersgd compression"
-                )
-            factory = self.faults.grad_averager_factory(
-                averagers.keeping_local_gradients(GradientAverager), **grad_kwargs
-            )
-        else:
-            factory = averagers.round_averager(
-                self.compression.grad_averager_factory(GradientAverager, **grad_kwargs)
-            )
+        factory = self._grad_averager_factory()
         statistics: tuple[str, ...] = ()
         if self.averaging == "diloco":
             # hivemind's optimizer runs the outer SGD on the anchors; the module's optimizer stays local
@@ -331,9 +317,9 @@ class HivemindStrategy(SingleDeviceStrategy):
         # hivemind 1.1.12 never takes client_mode from the DHT (optim/optimizer.py:205 tests `is None` the
         # wrong way round), so a client-mode peer's Optimizer thought itself a full peer and died at its first
         # global epoch ("State sharing priority is unused: averager in client mode cannot share its state")
-        optimizer_kwargs.setdefault("client_mode", self.dht.client_mode)
+        optimizer_kwargs.setdefault("client_mode", self.node.client_mode)
         self.hivemind_opt = hivemind.Optimizer(
-            dht=self.dht,
+            dht=self.node.dht,
             run_id=self.run_id,
             optimizer=swarm_optimizer,
             extra_tensors=extra_tensors,
@@ -348,33 +334,23 @@ class HivemindStrategy(SingleDeviceStrategy):
         )
         if self.diloco is not None:
             self.diloco.attach(self.hivemind_opt)
-        averagers.never_cancel_rounds(self.hivemind_opt)
-        averagers.download_the_epoch_it_names(self.hivemind_opt)
-        averagers.throttle_progress_reports(self.hivemind_opt.tracker, self.report_every)
-        averagers.read_soon_while_speeds_unknown(self.hivemind_opt.tracker)
-        if self.diloco is None:  # a DiLoCo peer takes its H local steps; an estimate would cut them short
-            averagers.expect_the_swarm(self.hivemind_opt.tracker)
-        averagers.screen_rounds(
+        self._wired = wire(
             self.hivemind_opt,
-            self.screen,
-            self._on_rejected_round,
-            own_scale=None if self.diloco is None else self.diloco.pseudo_gradient_scale,
+            Wiring(
+                update_optimizer=swarm_optimizer,
+                diloco=self.diloco is not None,
+                report_every=self.report_every,
+                screen=self.screen,
+                on_rejected=self._on_rejected_round,
+                own_scale=None if self.diloco is None else self.diloco.pseudo_gradient_scale,
+                instrument=lambda opt: RoundClock(opt, swarm_optimizer),
+                on_strangers=self._on_strangers,
+                skip_agreed_state_rounds=self.skip_agreed_state_rounds,
+                on_agreed=self._on_agreed_state,
+                on_local_fallback=self._on_local_fallback,
+            ),
         )
-        self.clock = RoundClock(self.hivemind_opt, swarm_optimizer)
-        # after the clock: a skipped state round is not timed as one
-        averagers.meet_strangers_next_round(self.hivemind_opt, self._on_strangers)
-        if self.skip_agreed_state_rounds:  # DiLoCo: agreement on anchors and outer momentum (item 16)
-            averagers.skip_state_rounds_in_agreement(
-                self.hivemind_opt, self._on_agreed_state, local_extras=self.diloco is not None
-            )
-        # after the guard's and the clock's hooks: the guard's rollback happens under the lock too
-        self._update_hooks = averagers.lock_updates(self.hivemind_opt.state_averager, swarm_optimizer)
-        if self.diloco is None:  # after the lock's hook: the counters change under the lock
-            self._update_hooks.append(
-                averagers.number_steps_by_epoch(self.hivemind_opt.state_averager, swarm_optimizer)
-            )
-        if hasattr(self.hivemind_opt.grad_averager, "on_local_fallback"):
-            self.hivemind_opt.grad_averager.on_local_fallback = self._on_local_fallback
+        self.clock = self._wired.instrument
         if sigint is not None:
             signal.signal(signal.SIGINT, sigint)  # so that Ctrl-C still reaches this process
         for config in self.lr_scheduler_configs:
@@ -394,6 +370,28 @@ class HivemindStrategy(SingleDeviceStrategy):
                 log.error("The swarm's state is non-finite; starting from this peer's own parameters instead")
         if self.faults is not None:
             self.faults.start(self.local_epoch)
+
+    def _grad_averager_factory(self) -> Any:
+        """The gradient averager for hivemind.Optimizer: hivemind's (PowerSGD's for ``powersgd``) with
+        swarm/patches/grad_averager.py's changes, and the fault injector's kill hooks in fault tests."""
+        from hivemind.optim.grad_averager import GradientAverager
+
+        grad_kwargs: dict[str, Any] = dict(request_timeout=self.request_timeout)
+        if self.compression.mode != "powersgd":
+            # Nobody downloads a plain gradient averager's state (hivemind.Optimizer fetches it after the
+            # state averager's and drops it, optimizer.py:697), yet as a donor it stored a declaration in
+            # the DHT at every global epoch: 4 of the 30 DHT requests a second of a scaling-bench peer.
+            # PowerSGD's averager shares its Q buffers that way and keeps doing so.
+            grad_kwargs["allow_state_sharing"] = False
+        if self.faults is None:
+            return grad_averager.round_averager(
+                self.compression.grad_averager_factory(GradientAverager, **grad_kwargs)
+            )
+        if self.compression.mode == "powersgd":
+            raise MisconfigurationException("fault injection cannot be combined with powersgd compression")
+        return self.faults.grad_averager_factory(
+            grad_averager.keeping_local_gradients(GradientAverager), **grad_kwargs
+        )
 
     def _start_at_epoch(self, epoch: int) -> None:
         """Make this peer's optimizer (and what it announces to the swarm) start at global epoch ``epoch``."""
@@ -463,13 +461,14 @@ class HivemindStrategy(SingleDeviceStrategy):
         return result
 
     def _match_group_size(self) -> None:
-        """Let averaging groups close as soon as every peer the tracker sees is in (swarm/averagers.py)."""
+        """Let averaging groups close as soon as every peer the tracker sees is in
+        (swarm/patches/matchmaking.py)."""
         opt = self.hivemind_opt
         if opt is None or not self.close_groups_early:
             return
         size = max(2, opt.tracker.global_progress.num_peers)
         for averager in self._averagers():
-            averagers.set_target_group_size(averager, size)
+            matchmaking.set_target_group_size(averager, size, self._group_sizes)
 
     def _on_local_fallback(self, samples: int) -> None:
         self.local_fallback_steps += 1
@@ -496,8 +495,9 @@ class HivemindStrategy(SingleDeviceStrategy):
         )
 
     def _on_rejected_round(self, kind: str, reason: str, samples: int) -> None:
-        """The screen refused an averaged result (swarm/averagers.py, item 7): say so, with the figure (the
-        first rounds of a run of rejections, then every REJECTED_LOG_EVERY-th: an attacker may stay long)."""
+        """The screen refused an averaged result (docs/hivemind-patches.md item 7): say so, with the figure
+        (the first rounds of a run of rejections, then every REJECTED_LOG_EVERY-th: an attacker may stay
+        long)."""
         if self.clock is not None:
             self.clock.rejected.append(kind)
         row = self.screen.in_row[kind]
@@ -623,14 +623,12 @@ class HivemindStrategy(SingleDeviceStrategy):
         if self._shut_down:
             return
         self._shut_down = True
-        if getattr(self, "_members", None) is not None:
-            self._members.stop()
         if self.guard is not None:
             self.guard.close()
         if self.clock is not None:
             self.clock.close()
-        for hook in self._update_hooks:
-            hook.remove()
+        if self._wired is not None:
+            self._wired.remove()
         network_alive = p2p_daemon_alive()
         try:
             opt = self.hivemind_opt
@@ -647,7 +645,7 @@ class HivemindStrategy(SingleDeviceStrategy):
                     _terminate(averagers)
         finally:
             log.info("Shutting down the DHT and p2p daemon")
-            stop_dht(self.dht, network_alive)
+            self.node.stop(network_alive)
 
     @staticmethod
     def _graceful_shutdown(opt: hivemind.Optimizer, timeout: float | None) -> bool:

@@ -1,12 +1,12 @@
 """The averagers' side of an invite-only swarm: they serve and call only peers invited by the run's owner.
 
 hivemind 1.1.12's averager RPCs (``rpc_join_group``, ``rpc_aggregate_part``, ``rpc_download_state``) take no
-authorizer, unlike the DHT's (swarm/authorizer.py). Each handler receives the caller's PeerID, which libp2p's
-secure channel authenticates (``P2PContext.remote_id``). So every invited peer stores a **member record**
-that ties its PeerID to its invite (signed with the invite's key), and :func:`install` wraps the handlers
-of every averager built on a fenced DHT so that they serve only PeerIDs with a valid, unrevoked member
-record, and the stubs through which it calls others (the leader it asks to join, its group's reducers, a
-state donor) so that it talks only to such PeerIDs.
+authorizer, unlike the DHT's (swarm/net/authorizer.py). Each handler receives the caller's PeerID, which
+libp2p's secure channel authenticates (``P2PContext.remote_id``). So every invited peer stores a **member
+record** that ties its PeerID to its invite (signed with the invite's key), and :func:`fence_averagers` makes
+a :class:`Fence` the gate of swarm/patches/rpc_guard.py for the averagers built on this peer's DHT: they serve
+only PeerIDs with a valid, unrevoked member record, and call (the leader they ask to join, their group's
+reducers, a state donor) only such PeerIDs.
 
 The refusal an uninvited peer gets is one line: "run ... is invite-only and peer ... was refused: ...".
 This node logs one warning per refused peer.
@@ -21,15 +21,15 @@ import threading
 import time
 from typing import Any
 
-from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
-
-from swarm.invite import Certificate, Invite, InviteError, refusal, revoked_names
-from swarm.metrics import MemberRecord, members_key, revocation_records, revoked_key
+from swarm.net.invite import Certificate, Invite, InviteError, refusal, revoked_names
+from swarm.net.metrics import MemberRecord, members_key, revocation_records, revoked_key
+from swarm.patches import rpc_guard
+from swarm.patches.rpc_guard import Refused
 
 log = logging.getLogger(__name__)
 
 
-class NotInvited(P2PHandlerError, PermissionError):
+class NotInvited(Refused):
     """A peer without a valid invite asked (or was about to be asked) for something of an invite-only run."""
 
 
@@ -138,83 +138,6 @@ def publish_member(dht: Any, invite: Invite, public_key: bytes, timeout: float =
     return bool(future.result(timeout=timeout))
 
 
-_PROCESS: tuple[Fence, Any] | None = None  # (fence, DHT) in the process of an averager built on a fenced DHT
-
-
-class _GuardedHandlers:
-    """What ServicerBase.add_p2p_handlers serves instead of the averager: each rpc_ handler (all of the
-    averagers' handlers stream their replies) first checks the caller's PeerID."""
-
-    def __init__(self, averager: Any, fence: Fence, dht: Any) -> None:
-        self._averager, self._fence, self._dht = averager, fence, dht
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._averager, name)
-
-        async def guarded(request: Any, context: Any) -> Any:
-            await self._fence.check(context.remote_id, self._dht, f"a {name} request")
-            async for message in method(request, context):
-                yield message
-
-        return guarded
-
-
-class _GuardedStub:
-    """An averager's stub to another peer that first checks that the peer holds an invite."""
-
-    def __init__(self, stub: Any, peer: Any, fence: Fence, dht: Any) -> None:
-        self._stub, self._peer, self._fence, self._dht = stub, peer, fence, dht
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._stub, name)
-        if not name.startswith("rpc_"):
-            return method
-
-        async def guarded(*args: Any, **kwargs: Any) -> Any:
-            await self._fence.check(self._peer, self._dht, f"to call {name} of an uninvited peer")
-            return await method(*args, **kwargs)
-
-        return guarded
-
-
-class _QuietRefusals(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and isinstance(record.exc_info[1], NotInvited))
-
-
-def install() -> None:
-    """Fence every averager (in its own process) whose DHT carries a ``swarm_fence``. Idempotent; call
-    before the averagers start: their processes are forked with the class as it is then."""
-    from hivemind.averaging.averager import DecentralizedAverager as Averager
-
-    if getattr(Averager, "_swarm_fenced", False):
-        return
-    run, add_handlers, get_stub = Averager.run, Averager.add_p2p_handlers, Averager.get_stub.__func__
-
-    def fenced_run(self: Any) -> None:
-        global _PROCESS
-        fence = getattr(self.dht, "swarm_fence", None)
-        if fence is not None:
-            _PROCESS = (fence, self.dht)
-        run(self)
-
-    async def fenced_add_handlers(self: Any, p2p: Any, wrapper: Any = None, **kwargs: Any) -> None:
-        if wrapper is None and _PROCESS is not None:
-            wrapper = _GuardedHandlers(self, *_PROCESS)
-        await add_handlers(self, p2p, wrapper, **kwargs)
-
-    def fenced_get_stub(cls: type, p2p: Any, peer: Any, **kwargs: Any) -> Any:
-        stub = get_stub(cls, p2p, peer, **kwargs)
-        return stub if _PROCESS is None else _GuardedStub(stub, peer, *_PROCESS)
-
-    # hivemind logs each handler's exception with its traceback (p2p_daemon.py, _process_stream); a refusal
-    # is logged once per peer by Fence.check instead
-    logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_QuietRefusals())
-    Averager.run, Averager.add_p2p_handlers = fenced_run, fenced_add_handlers
-    Averager.get_stub = classmethod(fenced_get_stub)
-    Averager._swarm_fenced = True
-
-
 class MemberKeeper(threading.Thread):
     """Re-stores this peer's member record every ``period`` seconds until :meth:`stop`."""
 
@@ -236,25 +159,27 @@ class MemberKeeper(threading.Thread):
         self._stop_event.set()
 
 
-def attach(dht: Any, public_key: bytes | None = None) -> MemberKeeper | None:
-    """Fence the averagers that will be built on ``dht`` (started by swarm.dht.start_dht with an invite) and
-    publish this peer's member record, signed under ``public_key`` (default: the key of hivemind's
-    process-wide RSASignatureValidator, as swarm.metrics.make_validators uses); the thread that renews it,
-    or None for an open swarm or a DHT attached before. Call before any averager is built."""
-    invite = getattr(dht, "swarm_invite", None)
-    if invite is None or getattr(dht, "swarm_fence", None) is not None:
-        return None
+def fence_averagers(dht: Any, invite: Invite, public_key: bytes | None = None) -> tuple[Fence, MemberKeeper]:
+    """Fence the averagers that will be built on ``dht`` (this peer's fence becomes the gate of
+    swarm/patches/rpc_guard.py; this installs swarm's patches, which those averagers need when they start)
+    and publish this peer's member record, signed under ``public_key`` (default: the key of hivemind's
+    process-wide RSASignatureValidator, as swarm.net.metrics.make_validators uses). Returns the fence and the
+    started thread that renews the record. Call before any averager is built."""
+    from swarm import patches
+
+    patches.install()
     if public_key is None:
         from hivemind.dht.crypto import RSASignatureValidator
 
         public_key = RSASignatureValidator().local_public_key
-    install()
-    dht.swarm_fence = Fence(invite)
+    fence = Fence(invite)
+    rpc_guard.guard(dht, fence)
     if not publish_member(dht, invite, public_key):
+        rpc_guard.unguard(dht)
         raise InviteError(
             f"no peer of run {invite.run_id!r} accepted this peer's member record; check that the invite is "
             "for this swarm"
         )
     keeper = MemberKeeper(dht, invite, public_key)
     keeper.start()
-    return keeper
+    return fence, keeper

@@ -1,0 +1,162 @@
+"""The all-reduce (hivemind/averaging/allreduce.py and the averager's side of it in averaging/averager.py).
+
+**What hivemind does.** Each tensor is split into parts of its own (averaging/partition.py), and each part
+costs a compression call in a thread, a message and a reply. A reducer that receives a part of a group it
+has not registered waits for that group without a limit (``DecentralizedAverager.rpc_aggregate_part``,
+averager.py:581-598, ``_pending_groups_registered``). A sender that fails is awaited until ``sender_timeout``
+(``AllReduceRunner._communicate_with_peer``, allreduce.py:201-257).
+
+**What goes wrong.** The demo's 50 small tensors took 0.45 s to average on loopback, one tensor of the same
+numbers 0.18 s (item 3 of docs/hivemind-patches.md). Matchmaking can put a peer into a group that the peer
+itself never learns of (a follower starved for longer than ``request_timeout`` gives up on its leader, which
+has already accepted it): its groupmates then send it parts that it holds until their
+``allreduce_timeout``, and the round fails on one side with "received 50.0% of input tensors" and on the other
+with "could not find a group" (item 8). The groupmates that ran the round then go on to their state round,
+while the one that never learnt of it looks for the next gradient group: each waits for the other in a
+different averager (item 11).
+
+**What this changes.** :class:`PacksParts` averages one buffer per dtype and role. :func:`install` answers a
+part of an unknown group with ``BAD_GROUP_ID`` after ``request_timeout``, drops a groupmate whose reducer
+failed before it sent anything, and names those that answered ``BAD_GROUP_ID`` (strangers) in the round's
+result, a :class:`Gathered` (:class:`NamesStrangers`), so that the optimizer can meet them in the next
+gradient round (swarm/patches/optimizer.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from functools import cache
+from typing import Any, get_type_hints
+
+import torch
+
+from swarm.patches._registry import Patch
+
+_STRANGERS = "_swarm_strangers"  # attribute of one round's AllReduceRunner (ours: set in our own wrapper)
+
+
+class Gathered(dict):
+    """What an averaging round gathered, by peer, without the groupmates that never learnt of the group;
+    ``strangers`` names those (item 11). Travels from the averager process to the peer's (pickled)."""
+
+    strangers: frozenset = frozenset()
+
+    @classmethod
+    def without(cls, gathered: dict, strangers: Any) -> Gathered:
+        out = cls((peer, data) for peer, data in gathered.items() if peer not in strangers)
+        out.strangers = frozenset(strangers)
+        return out
+
+
+class NamesStrangers:
+    """Mixin for hivemind's gradient averagers: a round's result names the strangers (item 11). Runs in the
+    averager process; needs :func:`install` (which notes the strangers on the round's runner)."""
+
+    async def _aggregate_with_group(self, group_info: Any, *args: Any, **kwargs: Any) -> Any:
+        gathered = await super()._aggregate_with_group(group_info, *args, **kwargs)
+        # the round's runner stays registered until this returns (averager.py, _register_allreduce_group)
+        future = self._running_groups.get(group_info.group_id)
+        runner = future.result() if future is not None and future.done() else None
+        strangers = getattr(runner, _STRANGERS, ())
+        return Gathered.without(gathered, strangers) if strangers else gathered
+
+
+def _packable(averager: Any) -> bool:
+    from hivemind.compression import SizeAdaptiveCompression
+    from hivemind.optim.power_sgd_averager import PowerSGDGradientAverager
+
+    return not isinstance(averager, PowerSGDGradientAverager) and not isinstance(
+        averager.allreduce_kwargs.get("compression"), SizeAdaptiveCompression
+    )
+
+
+class PacksParts:
+    """Mixin for hivemind's averagers: one all-reduce buffer per dtype and role (item 3). Not with
+    size-dependent compression (``int8`` would then quantize small tensors with large ones), and not for
+    PowerSGD, which averages matrices on its own. A failed round leaves the tensors as they were. Runs in
+    the averager process."""
+
+    async def _run_allreduce_inplace_(self, tensors: Any, group_info: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _packable(self) or len(tensors) < 2:
+            return await super()._run_allreduce_inplace_(tensors, group_info, *args, **kwargs)
+        from hivemind.compression import CompressionInfo
+
+        infos = kwargs.get("tensor_infos") or [
+            CompressionInfo.from_tensor(t, key=i) for i, t in enumerate(tensors)
+        ]
+        groups: dict[tuple, list[int]] = {}  # one buffer per dtype and role (roles choose the compression)
+        for i, (t, info) in enumerate(zip(tensors, infos, strict=True)):
+            groups.setdefault((t.dtype, info.role), []).append(i)
+        with torch.no_grad():
+            buffers = [torch.cat([tensors[i].detach().reshape(-1) for i in idx]) for idx in groups.values()]
+        kwargs["tensor_infos"] = [
+            CompressionInfo.from_tensor(buf, key=n, role=role)
+            for n, (buf, (_, role)) in enumerate(zip(buffers, groups, strict=True))
+        ]
+        result = await super()._run_allreduce_inplace_(buffers, group_info, *args, **kwargs)
+        with torch.no_grad():  # only a finished round changes the tensors
+            for buf, idx in zip(buffers, groups.values(), strict=True):
+                for i, part in zip(idx, buf.split([tensors[i].numel() for i in idx]), strict=True):
+                    tensors[i].copy_(part.view_as(tensors[i]))
+        return result
+
+
+@cache
+def packing(base: type) -> type:
+    """``base`` (one of hivemind's averager classes) averaging one buffer per dtype and role (item 3). Keeps
+    hivemind's class name: the p2p handlers' names are built from it, and must match other peers'."""
+    return type(base.__name__, (PacksParts, base), {"__module__": __name__})
+
+
+def _targets() -> list[tuple[Any, str, Any]]:
+    from hivemind.averaging.allreduce import AllReduceRunner
+    from hivemind.averaging.averager import DecentralizedAverager
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils.asyncio import achain, anext, as_aiter
+
+    communicate = AllReduceRunner._communicate_with_peer
+
+    async def _rpc_aggregate_part(self: Any, stream: Any, context: Any) -> Any:
+        """hivemind's ``DecentralizedAverager.rpc_aggregate_part``, with a bounded wait for an unknown group
+        (item 8). Runs in the averager process."""
+        request = await anext(stream)
+        if request.group_id not in self._running_groups:
+            # hivemind waits here without a limit, for a leader's answer that is still on its way
+            try:
+                await asyncio.wait_for(
+                    self._pending_groups_registered.wait(), self._matchmaking.request_timeout
+                )
+            except TimeoutError:
+                pass
+        future = self._running_groups.get(request.group_id)
+        if future is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        group = await future
+        async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
+
+    # the p2p handler's request type is read from the annotations (hivemind/p2p/servicer.py)
+    _rpc_aggregate_part.__annotations__ = get_type_hints(DecentralizedAverager.rpc_aggregate_part)
+
+    async def _communicate_with_peer(self: Any, peer_id: Any) -> None:
+        """hivemind's ``AllReduceRunner._communicate_with_peer``; a groupmate whose reducer failed before it
+        sent a single part is dropped as a sender too (item 8), instead of being awaited for
+        ``sender_timeout``. One that answered ``BAD_GROUP_ID`` (allreduce.py raises "<peer> sent
+        BAD_GROUP_ID") never learnt of the group: it is named a stranger (item 11)."""
+        try:
+            await communicate(self, peer_id)
+        except Exception as exc:
+            if peer_id in self.sender_peer_ids and peer_id not in self.active_senders:
+                if str(exc).endswith("sent BAD_GROUP_ID"):
+                    self.__dict__.setdefault(_STRANGERS, set()).add(peer_id)
+                await self._ban_sender(peer_id)
+            raise
+
+    return [
+        (DecentralizedAverager, "rpc_aggregate_part", _rpc_aggregate_part),
+        (AllReduceRunner, "_communicate_with_peer", _communicate_with_peer),
+    ]
+
+
+PATCH = Patch("allreduce", _targets)

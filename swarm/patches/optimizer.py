@@ -1,0 +1,364 @@
+"""hivemind.Optimizer (hivemind/optim/optimizer.py): which rounds run, what they apply, and what they skip.
+
+**What hivemind does.** ``Optimizer.step`` accumulates local gradients; when its tracker says the swarm holds
+the target batch it runs ``_update_global_epoch`` (optimizer.py:438-509): a gradient round begun by
+``_begin_averaging_gradients`` (optimizer.py:511-557, pre-scheduled by ``_maybe_schedule_gradient_averaging``,
+optimizer.py:559-591, when the tracker expects the epoch within ``matchmaking_time``), the averaged gradients
+loaded into the optimizer (``_load_averaged_gradients_into_optimizer_``, optimizer.py:612), the update, and
+the epoch's state round. A peer that fell behind downloads the newest state (``load_state_from_peers``,
+optimizer.py:679-720).
+
+**What goes wrong, and what this changes** (items of docs/hivemind-patches.md; each function below wraps
+methods of one running optimizer, and :func:`wire` applies them in the order they need):
+
+- items 5 and 10, :func:`never_cancel_rounds`: hivemind cancels a pre-scheduled round when its tracker counts
+  no other peer, which can wedge the averager's matchmaking; and it skips a round altogether when the previous
+  round's control is still in ``scheduled_grads``.
+- item 7, :func:`screen_rounds`: every averaged gradient is judged by the peer's round screen before it is
+  loaded into the optimizer; a rejected one is replaced by the peer's own gradient.
+- item 11, :func:`meet_strangers_next_round`: after a round whose result names strangers
+  (swarm/patches/allreduce.py), the epoch's state round is skipped, and the peer meets them in the next
+  gradient round.
+- item 13, :func:`download_the_epoch_it_names`: a downloaded state one epoch older than the swarm's newest
+  would be numbered with the newest epoch ("Catching up with collaboration step", optimizer.py:705-707).
+- item 16, :func:`skip_state_rounds_in_agreement`: a state round whose group already holds one state is
+  skipped (decided from summaries sent with the gradient round's all-gather).
+- item 17, :func:`number_steps_by_epoch`: AdamW's step counters follow the global epoch.
+
+hivemind 1.1.12 also never takes ``client_mode`` from the DHT (optimizer.py:205 tests ``is None`` the wrong
+way round): pass it explicitly, as swarm/averaging/strategy.py does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarm.patches import progress
+from swarm.patches.grad_averager import KeepsLocalGradients
+from swarm.patches.state_averager import lock_updates
+
+log = logging.getLogger(__name__)
+AGREEMENT_RTOL = 1e-6  # item 16: figures this close count as one state (all-reduce rounding is ~1e-7)
+
+
+@dataclass
+class Wiring:
+    """What the swarm hangs on one ``hivemind.Optimizer``; see :func:`wire`."""
+
+    update_optimizer: torch.optim.Optimizer
+    """The optimizer whose ``step`` is the update: the module's AdamW, or DiLoCo's outer SGD."""
+    diloco: bool = False
+    """DiLoCo: no estimate of the swarm at a new epoch (each peer takes its H local steps), agreement judged
+    without the extra tensors (each peer's inner AdamW state), and AdamW's counters left alone."""
+    report_every: float = 0.25
+    """Seconds between two progress records within an epoch (0: hivemind's one per step)."""
+    screen: Any = None
+    """A swarm.averaging.screen.RoundScreen, or None to apply every averaged result unjudged."""
+    on_rejected: Callable[[str, str, int], None] | None = None
+    """Told (kind, reason, samples) of every rejected round or download."""
+    own_scale: Callable[[], float] | None = None
+    """The factor on this peer's own gradient norm for the round being judged (DiLoCo's short inner
+    phases)."""
+    instrument: Callable[[Any], Any] | None = None
+    """Called with the optimizer where wrappers that time a round belong (swarm.averaging.rounds.RoundClock):
+    inside those that skip a state round, so that a skipped round is not timed as one."""
+    on_strangers: Callable[[int, frozenset], None] | None = None
+    """Told (epoch, strangers) when a state round is skipped to meet strangers (item 11)."""
+    skip_agreed_state_rounds: bool = True
+    on_agreed: Callable[[int, int], None] | None = None
+    """Told (epoch, group size) when a state round is skipped in agreement (item 16)."""
+    on_local_fallback: Callable[[int], None] | None = None
+    """Told the samples of each step on this peer's own gradient after a failed round (item 2)."""
+
+
+@dataclass
+class Wired:
+    """What :func:`wire` left on an optimizer: ``instrument``'s result, the progress reads' state, and the
+    update hooks, which :meth:`remove` takes off again."""
+
+    instrument: Any = None
+    last_read: progress.LastRead = field(default_factory=progress.LastRead)
+    hooks: list[Any] = field(default_factory=list)
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks.clear()
+
+
+def wire(opt: Any, wiring: Wiring) -> Wired:
+    """Apply every per-optimizer change to ``opt`` (a running ``hivemind.Optimizer`` built after
+    swarm.patches.install(), with a gradient averager from swarm.patches.grad_averager), in this order."""
+    wired = Wired()
+    never_cancel_rounds(opt)  # items 5 and 10
+    download_the_epoch_it_names(opt)  # item 13
+    progress.throttle_progress_reports(opt.tracker, wiring.report_every)  # item 6
+    wired.last_read = progress.read_soon_while_speeds_unknown(opt.tracker)  # items 14 and 19
+    if not wiring.diloco:  # a DiLoCo peer takes its H local steps; an estimate would cut them short
+        progress.expect_the_swarm(opt.tracker, wired.last_read)  # item 15
+    if wiring.screen is not None:
+        screen_rounds(opt, wiring.screen, wiring.on_rejected, wiring.own_scale)  # item 7
+    # wrappers of the same methods run outermost-last: the clock times the state round that the two below
+    # may skip (a skipped round is then not timed as one), and its update hooks come before the lock's
+    if wiring.instrument is not None:
+        wired.instrument = wiring.instrument(opt)
+    meet_strangers_next_round(opt, wiring.on_strangers)  # item 11
+    if wiring.skip_agreed_state_rounds:  # item 16; DiLoCo: agreement on anchors and outer momentum
+        skip_state_rounds_in_agreement(opt, wiring.on_agreed, local_extras=wiring.diloco)
+    wired.hooks = lock_updates(opt.state_averager, wiring.update_optimizer)  # item 4
+    if not wiring.diloco:  # after the lock's hook: the counters change under the lock (item 17)
+        wired.hooks.append(number_steps_by_epoch(opt.state_averager, wiring.update_optimizer))
+    if isinstance(opt.grad_averager, KeepsLocalGradients):
+        opt.grad_averager.on_local_fallback = wiring.on_local_fallback  # item 2
+    return wired
+
+
+def never_cancel_rounds(opt: Any) -> None:
+    """Items 5 and 10, on one ``hivemind.Optimizer`` (wraps ``_maybe_schedule_gradient_averaging`` and
+    ``_begin_averaging_gradients``): a round is scheduled only when the tracker sees other peers, a round that
+    was scheduled then is run rather than cancelled, and the previous round's used control is dropped before
+    hivemind looks at it, so that a fresh round starts."""
+    schedule, begin = opt._maybe_schedule_gradient_averaging, opt._begin_averaging_gradients
+
+    def schedule_with_peers() -> None:
+        if opt.tracker.global_progress.num_peers > 1:
+            schedule()
+
+    def begin_without_cancelling(grad_scaler: Any) -> bool:
+        control = opt.scheduled_grads
+        if control is not None and (control.triggered or control.done()):
+            # the previous round's control, never scheduled anew (item 10): hivemind would drop it and then
+            # skip this round altogether; dropped here, hivemind starts a round of its own below
+            opt.scheduled_grads = control = None
+        if control is not None and opt.tracker.global_progress.num_peers <= 1:
+            # the round was scheduled while other peers were seen: run it (if they are gone, it fails at its
+            # deadline and this peer steps on its own gradient) rather than cancel it
+            opt.scheduled_grads = opt.grad_averager.step(control=control, reset_accumulators=True, wait=False)
+            return True
+        return begin(grad_scaler)
+
+    opt._maybe_schedule_gradient_averaging = schedule_with_peers
+    opt._begin_averaging_gradients = begin_without_cancelling
+
+
+def download_the_epoch_it_names(opt: Any, attempts: int = 3, pause: float = 0.5) -> None:
+    """Item 13: make ``opt.load_state_from_peers`` (hivemind.Optimizer's, which its ``step`` also calls) leave
+    the peer with the epoch number of the state it downloaded: up to ``attempts`` downloads, ``pause`` seconds
+    apart, while the one downloaded is older than the epoch hivemind then moved on to (the donor that had not
+    yet stepped has by then). If it is still older, the peer keeps the epoch of the state it holds, and
+    hivemind's exact-epoch check has it download at its next step (optimizer.py,
+    ``_should_load_state_from_peers``). Needs the state averager of swarm.patches.state_averager (its
+    ``held_epoch``)."""
+    load = opt.load_state_from_peers
+    averager = opt.state_averager
+
+    def load_state_from_peers(**kwargs: Any) -> Any:
+        for attempt in range(1, attempts + 1):
+            averager.held_epoch = None
+            result = load(**kwargs)
+            held = averager.held_epoch
+            if held is None or opt.local_epoch <= held:
+                return result
+            named = opt.local_epoch
+            averager.local_epoch = held  # undo hivemind's catch-up: these tensors are epoch `held`
+            with opt.tracker.pause_updates():
+                opt.tracker.report_local_progress(held, samples_accumulated=0)
+            if not opt.client_mode:
+                averager.state_sharing_priority = held
+                if opt.grad_averager is not None:
+                    opt.grad_averager.state_sharing_priority = held
+            if attempt < attempts:
+                log.info(
+                    "Downloaded the state of global epoch %d while the swarm is at %d; downloading again",
+                    held,
+                    named,
+                )
+                time.sleep(pause)
+        log.info(
+            "Kept global epoch %d, the epoch of the state downloaded (the swarm is at %d); "
+            "the next step downloads again",
+            held,
+            named,
+        )
+        return result
+
+    opt.load_state_from_peers = load_state_from_peers
+
+
+def _skip_state_rounds_after(opt: Any, note: Any, on_skip: Any, before: Any = lambda: None) -> None:
+    """Items 11 and 16: after each finished gradient round, ``note(gathered, before())`` (``before`` called as
+    the round began) says why the epoch's state round is to be skipped, or None; the state round (one not
+    pre-scheduled) is then skipped and ``on_skip(epoch, why)`` told."""
+    average, state_step = opt._average_gradients_and_load_into_optimizer, opt.state_averager.step
+    pending: list[Any] = []
+
+    def average_noting(control: Any) -> Any:
+        pending.clear()
+        then = before()
+        try:
+            return average(control)
+        finally:
+            if control is not None and control.done() and not control.cancelled() and not control.exception():
+                why = note(control.result(), then)
+                if why is not None:
+                    pending.append(why)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        if pending and kwargs.get("increment_epoch"):
+            why = pending.pop()
+            if kwargs.get("averaging_round") and kwargs.get("averaging_control") is None:
+                kwargs.update(averaging_round=False, averaging_opts=None)
+                if on_skip is not None:
+                    on_skip(opt.local_epoch + 1, why)
+        return state_step(*args, **kwargs)
+
+    opt._average_gradients_and_load_into_optimizer = average_noting
+    opt.state_averager.step = step
+
+
+def meet_strangers_next_round(opt: Any, on_skip: Any = None) -> None:
+    """Item 11, on one ``hivemind.Optimizer``: after a gradient round whose result names strangers, that
+    epoch's state round is skipped. ``on_skip(epoch, strangers)`` is told."""
+    _skip_state_rounds_after(opt, lambda gathered, _: getattr(gathered, "strangers", None) or None, on_skip)
+
+
+def state_summary(opt: Any, local_extras: bool = False) -> dict[str, Any]:
+    """Item 16: what ``opt``'s state round would average, summarised: ``norms``, each tensor's L1 and L2 norm
+    (parameters, averaged optimizer statistics, extra tensors unless ``local_extras``, and the optimizer's
+    other state tensors, such as SGD's momentum; float64, one fused call each), and ``exact``, a digest of
+    what else the next update depends on and must match exactly (every one-number tensor of the optimizer's
+    state, such as AdamW's step counters; each group's learning rate and weight decay; the epoch)."""
+    averager = opt.state_averager
+    with torch.no_grad():
+        shared = list(averager._local_tensors())  # parameters, statistics, then the extra tensors (last)
+        if local_extras:
+            shared = shared[: len(shared) - len(averager.extra_tensors)]
+        # and the optimizer's state that the round does not average but the next update reads: DiLoCo's outer
+        # momentum (average_opt_statistics is empty there). Left out, peers that agreed on the anchors took
+        # outer steps with different momenta and parted right after every skipped round
+        known = {id(t) for t in shared}
+        shared += [
+            v
+            for state in averager.optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor) and v.numel() > 1 and id(v) not in known
+        ]
+        tensors = [t.detach() for t in shared if t.is_floating_point() and t.numel()]
+        norms: list[float] = []
+        for order in (1, 2) if tensors else ():
+            norms += torch.stack(torch._foreach_norm(tensors, order, dtype=torch.float64)).cpu().tolist()
+        counters = [
+            float(v)
+            for state in averager.optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor) and v.numel() == 1
+        ]
+    hyper = [float(g.get(k, 0.0)) for g in averager.optimizer.param_groups for k in ("lr", "weight_decay")]
+    exact = hashlib.blake2b(digest_size=16)
+    exact.update(torch.tensor(counters + hyper, dtype=torch.float64).numpy().tobytes())
+    exact.update(str(opt.local_epoch).encode())
+    return {"norms": norms, "exact": exact.digest()}
+
+
+def in_agreement(gathered: Any, rtol: float = AGREEMENT_RTOL) -> bool:
+    """Item 16: whether a gradient round's all-gather shows one state across a group of the whole swarm:
+    the same ``exact`` digest, every norm within ``rtol`` of the first groupmate's, and a group at least as
+    large as any member's count of training peers. ``gathered`` maps each groupmate to what it sent
+    (``{"state": state_summary or None, "peers": int}``); anything malformed counts as disagreement."""
+    if not isinstance(gathered, dict) or len(gathered) < 2 or getattr(gathered, "strangers", None):
+        return False
+    sent = list(gathered.values())
+    states = []
+    for data in sent:
+        if not isinstance(data, dict) or type(data.get("peers")) is not int:
+            return False
+        state = data.get("state")
+        if not (
+            isinstance(state, dict)
+            and isinstance(state.get("exact"), bytes)
+            and isinstance(state.get("norms"), list | tuple)
+            and all(type(x) is float and math.isfinite(x) for x in state["norms"])
+        ):
+            return False
+        states.append(state)
+    first = states[0]
+    for state in states[1:]:
+        if state["exact"] != first["exact"] or len(state["norms"]) != len(first["norms"]):
+            return False
+        pairs = zip(state["norms"], first["norms"], strict=True)
+        if any(abs(x - y) > rtol * max(abs(x), abs(y)) for x, y in pairs):
+            return False
+    return len(sent) >= max(data["peers"] for data in sent)
+
+
+def skip_state_rounds_in_agreement(opt: Any, on_skip: Any = None, local_extras: bool = False) -> None:
+    """Item 16, on one ``hivemind.Optimizer`` whose gradient averager swarm.patches.grad_averager built (a
+    plain one sends no summary, and its peer never skips). ``on_skip(epoch, group)`` is told. With
+    ``local_extras`` (DiLoCo: the extra tensors are each peer's inner AdamW state) agreement is judged without
+    the extra tensors, and a skipped round leaves them as each peer has them."""
+    averager = opt.grad_averager
+    if not isinstance(averager, KeepsLocalGradients):
+        return
+
+    def gather() -> dict[str, Any]:
+        due = (opt.local_epoch + 1) % opt.average_state_every == 0
+        summary = state_summary(opt, local_extras) if due else None
+        return {"state": summary, "peers": opt.tracker.global_progress.num_peers}
+
+    averager.gather_hook = gather
+
+    def own_results() -> tuple[int, int]:  # rounds in which this peer did not apply the group's average
+        screen = getattr(opt.state_averager, "screen", None)
+        return averager.local_fallbacks, screen.rejected_gradient_rounds if screen is not None else 0
+
+    def note(gathered: Any, before: tuple[int, int]) -> int | None:
+        return len(gathered) if own_results() == before and in_agreement(gathered) else None
+
+    _skip_state_rounds_after(opt, note, on_skip, before=own_results)
+
+
+def screen_rounds(opt: Any, screen: Any, on_rejected: Any, own_scale: Any = None) -> None:
+    """Item 7, on one ``hivemind.Optimizer`` built with this package's averagers. ``on_rejected(kind, reason,
+    samples)`` is called for each rejected round (kind "gradient", "state" or "download"); ``own_scale()``, if
+    given, is the factor on this peer's own gradient norm for the round being judged."""
+    load, averager = opt._load_averaged_gradients_into_optimizer_, opt.grad_averager
+
+    def load_screened() -> None:
+        if isinstance(averager, KeepsLocalGradients) and averager.holds_round_result:
+            with torch.no_grad(), averager.get_tensors() as averaged:
+                scale = 1.0 if own_scale is None else own_scale()
+                reason = screen.judge_gradients(averaged, averager.own_gradients, own_scale=scale)
+            if reason is not None:
+                averager.use_own_gradients()
+                on_rejected("gradient", reason, averager.own_samples)
+        load()
+
+    opt._load_averaged_gradients_into_optimizer_ = load_screened
+    opt.state_averager.screen, opt.state_averager.on_rejected = screen, on_rejected
+
+
+def number_steps_by_epoch(state_averager: Any, optimizer: torch.optim.Optimizer) -> Any:
+    """Item 17: before each update, every ``step`` counter in ``optimizer``'s state is set to the global epoch
+    the update comes from; returns the hook. Register it after :func:`lock_updates`' hooks, so that it runs
+    under the tensor lock."""
+
+    @torch.no_grad()
+    def number(*args: Any) -> None:
+        # hivemind numbers the new epoch before it runs the update (state_averager.py, step then _do)
+        done = float(max(0, state_averager.local_epoch - 1))
+        for state in optimizer.state.values():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                step.fill_(done)
+            elif isinstance(step, int | float):
+                state["step"] = type(step)(done)
+
+    return optimizer.register_step_pre_hook(number)

@@ -1,0 +1,222 @@
+"""The progress tracker (hivemind/optim/progress_tracker.py): how often a peer tells and reads the swarm's
+progress.
+
+**What hivemind does.** ``ProgressTracker`` stores a signed record of this peer's progress in the DHT after
+every local step (``report_local_progress`` sets ``should_report_progress``, and ``_progress_reporter``,
+progress_tracker.py:195-240, stores on each set), and only once the peer has samples (progress_tracker.py:
+213-216). It reads the swarm's records at a time planned from its estimate of when the swarm reaches the
+target batch (``_parse_swarm_progress_data``, progress_tracker.py:275-330): made from the speeds in the
+records, ``max_refresh_period`` (10 s) away when no speed is known, ``default_refresh_period`` (3 s) away
+when no record is found (progress_tracker.py:280-292). At a new epoch it sets the estimate to "never"
+(``update_epoch``, progress_tracker.py:176-193: ``eta_next_epoch = inf``).
+
+**What goes wrong** (items of docs/hivemind-patches.md):
+
+- item 6: a peer taking 60-80 steps a second kept its DHT process at 26 % of a core storing records.
+- item 14: records stored before a peer's first samples carry no speed, so the next read is 10 s away, and
+  each peer computes the whole target alone meanwhile.
+- item 15: after a new epoch, until its next read, a peer counts only its own samples and steps when they
+  alone reach the target: with epochs shorter than ``min_refresh_period`` every peer computed most of each
+  epoch's target alone.
+- item 19: peers started together each find nobody at their first read and train alone for 3 s.
+
+**What this changes.** :func:`throttle_progress_reports` stores a new epoch at once, and its first samples,
+otherwise at most one record per interval. :func:`read_soon_while_speeds_unknown` plans the next read
+``min_refresh_period`` ahead when no speed (or no record) is known. :func:`expect_the_swarm` sets a new
+epoch's estimate from the summed speed of the last read. :func:`read_within` and :func:`meet_peers` bring a
+read forward for a peer that waits (DiLoCo after its inner steps; ``--min-peers`` before the first step).
+
+These wrap methods of one running ``ProgressTracker``; nothing here is process-wide. The tracker keeps what
+item 15 needs in a :class:`LastRead` that the wrappers share.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class ThrottledReports(threading.Event):
+    """The tracker's ``should_report_progress``: releases its reporter at once for a new epoch and for the
+    epoch's first samples, otherwise at most once per ``interval`` seconds; a set that comes too early is
+    released when the interval ends. The reporter thread itself waits out the interval, in :meth:`wait`
+    (hivemind runs that wait in an executor thread, progress_tracker.py:204)."""
+
+    def __init__(self, tracker: Any, interval: float) -> None:
+        super().__init__()
+        self.tracker, self.interval = tracker, interval
+        self.last, self.last_key = -float("inf"), None
+        self.fired = 0  # records this peer let the tracker store
+        self._pending = False
+        self._wake = threading.Condition()
+
+    def is_set(self) -> bool:
+        return self._pending
+
+    def set(self) -> None:
+        with self._wake:
+            self._pending = True
+            self._wake.notify_all()
+
+    def clear(self) -> None:
+        with self._wake:
+            self._pending = False
+
+    def _key(self) -> tuple[int, bool]:
+        # (epoch, has samples) new: at once. hivemind's reporter stops storing once no record of the last
+        # two epochs carried samples (progress_tracker.py:213-216), and the epoch's first record (from
+        # update_epoch) has none: with epochs shorter than the interval, holding back the first record with
+        # samples made the peer vanish from the others' count, and both stepped alone
+        progress = self.tracker.local_progress
+        return progress.epoch, progress.samples_accumulated > 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._wake:
+            while True:
+                now = time.monotonic()
+                left = None if deadline is None else deadline - now
+                if not self._pending:
+                    if left is not None and left <= 0:
+                        return False
+                    self._wake.wait(left)
+                    continue
+                hold = self.last + self.interval - now
+                # a wait that times out during the hold releases too (hivemind stores on its timeout anyway),
+                # and so does the tracker's shutdown (its reporter then ends)
+                stopping = self.tracker.shutdown_triggered.is_set()
+                if self._key() != self.last_key or hold <= 0 or (left is not None and left <= 0) or stopping:
+                    self.last, self.last_key = now, self._key()
+                    self.fired += 1
+                    return True
+                self._wake.wait(hold if left is None else min(hold, left))  # a new epoch's set() ends it
+
+
+def throttle_progress_reports(tracker: Any, interval: float) -> None:
+    """Item 6, on one running ``ProgressTracker`` (``interval`` 0 leaves it be)."""
+    if interval <= 0 or isinstance(tracker.should_report_progress, ThrottledReports):
+        return
+    previous, throttled = tracker.should_report_progress, ThrottledReports(tracker, interval)
+    if previous.is_set():
+        throttled.set()
+    tracker.should_report_progress = throttled
+    previous.set()  # wakes the reporter from its wait on the old event; from its next turn it waits on ours
+
+
+@dataclass
+class LastRead:
+    """What the last read of the swarm's progress found: the summed speed of its records and the peers."""
+
+    speed: float = 0.0
+    peers: int = 0
+
+
+def read_soon_while_speeds_unknown(
+    tracker: Any, last: LastRead | None = None, below: float = 1e-6
+) -> LastRead:
+    """Items 14 and 19, on one running ``ProgressTracker``: a read of the swarm's progress whose records carry
+    no speed above ``below`` samples/s in all (or that finds no record) plans the next read
+    ``min_refresh_period`` ahead, not ``max_refresh_period``. hivemind's speeds start at 1e-20
+    (utils/performance_ema.py). Only the records count, as in hivemind's estimate: a peer that has stepped
+    but not yet stored a record with its speed still reads soon. A tracker whose reads so far found nobody
+    reads again within ``min_refresh_period`` of this call. Returns the :class:`LastRead` that each read
+    updates (``last``, if given); call once per tracker."""
+    from hivemind.utils import get_dht_time
+
+    last = LastRead() if last is None else last
+    parse = tracker._parse_swarm_progress_data
+
+    def parsed(metadata: Any) -> Any:
+        progress = parse(metadata)
+        last.speed, last.peers = 0.0, 0
+        try:
+            entries = metadata.values() if isinstance(metadata, dict) else ()
+            known = sum(_record_speed(e) for e in entries)
+            last.speed, last.peers = known, progress.num_peers
+            if known < below:  # no speed known, or no record at all (item 19)
+                soon = get_dht_time() + tracker.min_refresh_period
+                progress.next_fetch_time = min(progress.next_fetch_time, soon)
+        except Exception:  # an unreadable record leaves hivemind's plan as it was; never stop the fetcher
+            log.debug("Could not check the speeds in the swarm's progress records", exc_info=True)
+        return progress
+
+    tracker._parse_swarm_progress_data = parsed
+    if not tracker.global_progress.num_peers:  # its first read (at its creation) may have found nobody
+        read_within(tracker, tracker.min_refresh_period)
+    return last
+
+
+def _record_speed(entry: Any) -> float:
+    """The speed (samples/s) in one record of the swarm's progress as the DHT returns it; 0 if unreadable."""
+    value = getattr(entry, "value", None)
+    number = value.get("samples_per_second") if isinstance(value, dict) else None
+    return float(number) if isinstance(number, int | float) else 0.0
+
+
+def expect_the_swarm(tracker: Any, last: LastRead) -> None:
+    """Item 15, on one running ``ProgressTracker``: at a new epoch, the estimate of the time to the target is
+    the time the swarm needs at ``last``'s summed speed (that of :func:`read_soon_while_speeds_unknown`)."""
+    from hivemind.utils import get_dht_time
+
+    update = tracker.update_epoch
+
+    def update_epoch(new_epoch: int | None = None) -> int:
+        epoch = update(new_epoch)
+        seen = tracker.global_progress
+        # only a fresh epoch, which hivemind left without an estimate, and only with other peers to count on
+        if seen.epoch == epoch and seen.eta_next_epoch == float("inf") and last.peers > 1 and last.speed > 0:
+            seen.eta_next_epoch = get_dht_time() + tracker.target_batch_size / last.speed
+        return epoch
+
+    tracker.update_epoch = update_epoch
+
+
+def read_within(tracker: Any, seconds: float) -> None:
+    """Have a running ``ProgressTracker`` read the swarm's progress within ``seconds`` (a no-op when its next
+    read is due by then), for a peer that waits for the swarm with nothing left to compute: DiLoCo after its
+    H local steps. Called on every turn of such a wait, it makes the tracker read every ``seconds``. Waking
+    the fetcher with ``global_state_updated`` makes it plan its wait again from the moved ``next_fetch_time``
+    (progress_tracker.py:256-263)."""
+    from hivemind.utils import get_dht_time
+
+    seen, due = tracker.global_progress, get_dht_time() + seconds
+    if seen.next_fetch_time > due:
+        seen.next_fetch_time = due
+        tracker.global_state_updated.set()
+
+
+def meet_peers(tracker: Any, count: int, stop: Any, within: float = 10.0, every: float = 0.25) -> int:
+    """Before the first step of peers started together (``--min-peers``): store this peer's progress record
+    now and have its running ``ProgressTracker`` read the swarm's progress every ``every`` seconds, until it
+    sees ``count`` peers (this one included), ``stop`` (an Event) is set, or ``within`` seconds pass. Returns
+    how many peers the tracker sees.
+
+    A peer stores its first progress record only once it has samples (progress_tracker.py:213-216), and a
+    tracker that found no peer reads again only after ``default_refresh_period``, 3 s
+    (progress_tracker.py:291): peers that ``--min-peers`` released together each saw the swarm empty and
+    trained alone. The record stored here is the one the reporter would store (epoch, 0 samples, no speed
+    yet), so the others count this peer from the start.
+    """
+    from hivemind.utils import get_dht_time
+
+    progress = tracker.local_progress
+    tracker.dht.store(
+        key=tracker.training_progress_key,
+        subkey=tracker._local_public_key,
+        value=progress.dict(),
+        expiration_time=get_dht_time() + tracker.metadata_expiration,
+        return_future=True,
+    )
+    deadline = time.monotonic() + within
+    while not stop.is_set() and time.monotonic() < deadline:
+        seen = tracker.global_progress
+        if seen.num_peers >= count:
+            break
+        read_within(tracker, 0.0)
+        stop.wait(every)
+    return tracker.global_progress.num_peers

@@ -1,0 +1,263 @@
+"""The state averager (hivemind/optim/state_averager.py): what a newcomer downloads, and what a state round
+applies.
+
+**What hivemind does.** ``TrainingStateAverager`` averages the parameters (and chosen optimizer statistics)
+in state rounds and serves them to newcomers. ``get_current_state`` (state_averager.py:627-656) hands the live
+tensors to the averager process, which serializes them after the lock is released, and hivemind.Optimizer
+runs the local update without that lock (``reuse_tensors=False``). It numbers a new epoch before the update
+and the state round that make it (``step``, state_averager.py:329, then ``_do``). ``_do`` uses one ``timeout``
+both as the matchmaking deadline and as the wait for the round's result. The averager stores its donor record
+in the DHT at every change of ``state_sharing_priority`` (averager.py:600-625), and hivemind.Optimizer changes
+it at every global epoch (optimizer.py:502). With ``sync_epoch_when_averaging`` (state_averager.py:558) every
+member of a state round takes the largest epoch it gathered, whatever its size.
+
+**What goes wrong, and what this changes** (items of docs/hivemind-patches.md):
+
+- item 4: a download could catch a donor's update half-applied, or the new epoch's number with the old
+  tensors. The state is served only once the epoch's step has ended, copied under the lock, and copied again
+  when a step began while it copied; :func:`lock_updates` holds the lock while the optimizer updates.
+- item 7: an averaged state and a download are judged by the peer's round screen before they are applied
+  (its ``screen`` and ``on_rejected`` attributes).
+- item 9: a groupmate's malformed or far-ahead epoch would move this peer: :func:`sane_epochs`.
+- item 12: a state round looks for its group for at most ``find_group_within`` seconds, while the round itself
+  keeps ``allreduce_timeout``.
+- item 13: a download notes the epoch of the state it holds (``held_epoch``).
+- item 18: a donor stores a changed epoch at most every ``DECLARE_EVERY`` seconds.
+- item 3: one all-reduce buffer per dtype and role (swarm/patches/allreduce.py).
+
+:func:`install` makes hivemind.Optimizer build this class (it reads the module-level name
+``TrainingStateAverager`` of optim/optimizer.py:284). The class keeps hivemind's name: the p2p handlers'
+names are built from the class name, and must match those of other peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from functools import cache
+from typing import Any
+
+import torch
+
+from swarm.patches._registry import Patch
+from swarm.patches.allreduce import PacksParts
+
+log = logging.getLogger(__name__)
+DECLARE_EVERY = 5.0  # item 18: seconds between two of a donor's declarations that only change its epoch
+_ROLE_NAMES = {"PARAMETER": "parameters", "OPTIMIZER": "optimizer statistics"}
+
+
+def _roles(averager: Any) -> list[str]:
+    """What each of a state averager's tensors is, as the screen names it (item 7)."""
+    return [_ROLE_NAMES.get(info.role.name, "extra tensors") for info in averager.tensor_infos]
+
+
+def sane_epochs(gathered: dict, own_id: Any) -> dict:
+    """The epochs that a state averaging round gathered (item 9), each one an int from this peer's own epoch
+    up to one more: a groupmate's malformed or far-ahead epoch must not move this peer (one that is further
+    ahead hands its state over through hivemind's catch-up download instead)."""
+
+    def is_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    own = gathered.get(own_id)
+    if not is_int(own):
+        return {}
+    return {peer: min(e, own + 1) if is_int(e) and e > own else own for peer, e in gathered.items()}
+
+
+class _SettledState:
+    """The methods that make the class of :func:`state_averager_class`: see the module docstring."""
+
+    def __init__(
+        self: Any,
+        *args: Any,
+        find_group_within: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self._swarm_settled = threading.Event()  # clear while an epoch's step runs (item 4)
+        self._swarm_settled.set()
+        self._swarm_steps = 0  # epoch steps begun (item 4)
+        self._swarm_find_group_within = find_group_within  # item 12; set before the averager process forks
+        self.screen: Any = None  # item 7: a RoundScreen and its callback, set by swarm.patches.optimizer.wire
+        self.on_rejected: Any = None
+        self.held_epoch: int | None = None  # item 13: the epoch of the state the last download left here
+        super().__init__(*args, **kwargs)  # starts the thread that serves the state
+
+    async def _step(self: Any, *, step: Any, **kwargs: Any) -> Any:
+        """hivemind's averaging step, in the averager process, with its matchmaking deadline shortened to
+        ``find_group_within`` seconds from now (item 12): this process's copy of the step control is the one
+        that matchmaking and the retry loop read; the caller's wait for the result is left as it was."""
+        from hivemind.utils import get_dht_time
+
+        within = self._swarm_find_group_within
+        if within is not None:
+            step._deadline = min(step.deadline, get_dht_time() + within)
+        return await super()._step(step=step, **kwargs)
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        """hivemind's step; an epoch's step (increment_epoch) is unsettled until it returns. The swarm runs
+        it synchronously (no delayed updates or averaging): the update and the state round are done then."""
+        if not kwargs.get("increment_epoch"):
+            return super().step(*args, **kwargs)
+        self._swarm_steps += 1
+        self._swarm_settled.clear()
+        try:
+            return super().step(*args, **kwargs)
+        finally:
+            self._swarm_settled.set()
+
+    def get_current_state(self: Any) -> tuple[Any, list[torch.Tensor], list[Any]]:
+        """hivemind's get_current_state (optim/state_averager.py:627), once the epoch's step has ended, with
+        copies taken under the lock (item 4)."""
+        from itertools import chain
+
+        from hivemind.compression import CompressionInfo, TensorRole
+        from hivemind.optim.state_averager import dump_optimizer_state
+
+        wait = 0.5 * (self.next_chunk_timeout or 10.0)  # hivemind's downloader waits that long for a part
+        deadline = time.monotonic() + wait
+        while True:
+            if not self._swarm_settled.wait(max(0.0, deadline - time.monotonic())):
+                log.info("Sent no state to a peer: this one was in an epoch's step for %.1f s", wait)
+                return None, [], []  # no part: the downloader asks the next peer (averager.py)
+            begun = self._swarm_steps
+            with torch.no_grad(), self.lock_averaged_tensors:
+                params = [
+                    p.detach().to("cpu", copy=True) for g in self.optimizer.param_groups for p in g["params"]
+                ]
+                extra = [t.detach().to("cpu", copy=True) for t in self.extra_tensors]
+                opt_metadata, opt_tensors = dump_optimizer_state(self.optimizer)
+                opt_tensors = [t.clone() for t in opt_tensors]
+                epoch = self.local_epoch
+            # hivemind numbers the new epoch as the step begins, without the lock (state_averager.py, step):
+            # a step that began while this copied can have given the old tensors the new number (in a test,
+            # a newcomer announced epoch 37 and held both donors' anchor of 36); copied again once it ended
+            if self._swarm_settled.is_set() and self._swarm_steps == begun:
+                break
+        infos = [
+            CompressionInfo.from_tensor(p, key=k, role=TensorRole.PARAMETER)
+            for p, k in zip(params, self.parameter_names, strict=True)
+        ]
+        infos += [
+            CompressionInfo.from_tensor(t, key=i, role=TensorRole.UNSPECIFIED) for i, t in enumerate(extra)
+        ]
+        infos += [
+            CompressionInfo.from_tensor(t, key=i, role=TensorRole.OPTIMIZER)
+            for i, t in enumerate(opt_tensors)
+        ]
+        metadata = dict(epoch=epoch, group_bits=self.get_group_bits(), optimizer_metadata=opt_metadata)
+        return metadata, list(chain(params, extra, opt_tensors)), infos
+
+    def _apply_averaging_results_(self: Any) -> None:
+        """hivemind's copy of the averaged state into the model, unless the screen rejects it (item 7)."""
+        if self.screen is not None:
+            with torch.no_grad(), self.get_tensors() as averaged:
+                reason = self.screen.judge_state(list(self._local_tensors()), averaged, _roles(self))
+            if reason is not None:
+                self.on_rejected("state", reason, 0)
+                return
+        super()._apply_averaging_results_()
+
+    def load_state_from_peers(self: Any, **kwargs: Any) -> Any:
+        """hivemind's state download, judged (item 7); ``held_epoch`` then says which epoch the tensors are
+        (item 13)."""
+        try:
+            return self._load_screened(**kwargs)
+        finally:
+            self.held_epoch = self.local_epoch
+
+    def _load_screened(self: Any, **kwargs: Any) -> Any:
+        """hivemind's state download, judged like an averaging round (item 7): hivemind.Optimizer downloads
+        from the peer with the newest epoch whenever this peer falls behind, and an attacker that runs ahead
+        would otherwise hand its state over. A rejected download is undone; the peer keeps its own tensors
+        and takes the newer epoch (so it does not download again at the next step)."""
+        if self.screen is None:
+            return super().load_state_from_peers(**kwargs)
+        with torch.no_grad(), self.lock_averaged_tensors:
+            before = [t.detach().clone() for t in self._local_tensors()]
+        epoch = self.local_epoch
+        result = super().load_state_from_peers(**kwargs)
+        if self.local_epoch == epoch:
+            return result  # nothing was loaded
+        with torch.no_grad(), self.lock_averaged_tensors:
+            reason = self.screen.judge_state(
+                before, list(self._local_tensors()), _roles(self), kind="download"
+            )
+            if reason is not None:
+                for mine, now in zip(before, self._local_tensors(), strict=True):
+                    now.copy_(mine)
+        if reason is not None:
+            if not self.reuse_tensors:  # takes the (non-reentrant) tensor lock itself
+                self._load_local_tensors_into_averager_()
+            self.on_rejected("download", reason, 0)
+        return result
+
+    async def _aggregate_with_group(self: Any, group_info: Any, *args: Any, **kwargs: Any) -> Any:
+        """hivemind's averaging round, with the groupmates' epochs made safe for ``sync_epoch_when_averaging``
+        (item 9). Runs in the averager process."""
+        gathered = await super()._aggregate_with_group(group_info, *args, **kwargs)
+        return sane_epochs(gathered, self.peer_id)
+
+    async def _declare_for_download_periodically(self: Any) -> None:
+        """hivemind's loop that declares this peer a donor of its state in the DHT (averager.py:600-625),
+        storing a changed priority at most once per ``DECLARE_EVERY`` seconds (item 18). Switching sharing
+        on or off is stored at once. Runs in the averager process."""
+        from hivemind.utils import get_dht_time
+
+        download_key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        sharing_was_allowed = self.allow_state_sharing
+        while True:
+            expiration_time = get_dht_time() + self.declare_state_period
+            if self.allow_state_sharing or sharing_was_allowed:
+                # the priority (the epoch) is read now: a store that waited carries the newest one
+                value = self.state_sharing_priority if self.allow_state_sharing else None
+                store = self.dht.store(
+                    download_key,
+                    subkey=self.peer_id.to_bytes(),
+                    value=value,
+                    expiration_time=expiration_time,
+                    return_future=True,
+                )
+                asyncio.create_task(asyncio.wait_for(store, timeout=expiration_time - get_dht_time()))
+                sharing_was_allowed = self.allow_state_sharing
+            stored = time.monotonic()
+            self._state_updated.clear()
+            try:
+                left = max(0.0, expiration_time - get_dht_time())
+                await asyncio.wait_for(self._state_updated.wait(), timeout=left)
+            except TimeoutError:
+                pass
+            if self.allow_state_sharing == sharing_was_allowed:  # sharing switched on or off goes at once
+                await asyncio.sleep(max(0.0, stored + DECLARE_EVERY - time.monotonic()))
+
+
+@cache
+def state_averager_class(base: type) -> type:
+    """``base`` (hivemind's TrainingStateAverager) with every change of the module docstring; it takes one
+    more keyword argument, ``find_group_within`` (item 12)."""
+    return type(base.__name__, (_SettledState, PacksParts, base), {"__module__": __name__})
+
+
+def lock_updates(state_averager: Any, optimizer: torch.optim.Optimizer) -> list[Any]:
+    """Hold ``state_averager``'s tensor lock while ``optimizer`` updates (item 4); returns the hooks."""
+    lock = state_averager.lock_averaged_tensors
+
+    def acquire(*args: Any) -> None:
+        lock.acquire()
+
+    def release(*args: Any) -> None:
+        lock.release()
+
+    return [optimizer.register_step_pre_hook(acquire), optimizer.register_step_post_hook(release)]
+
+
+def _targets() -> list[tuple[Any, str, Any]]:
+    from hivemind.optim import optimizer, state_averager
+
+    return [(optimizer, "TrainingStateAverager", state_averager_class(state_averager.TrainingStateAverager))]
+
+
+PATCH = Patch("state_averager", _targets)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import time
 
+import hivemind
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
+from swarm import patches
 from swarm.procs import group_members, remove_stale_sockets, stale_sockets
 from tests.helpers import PeerProcess
 
@@ -39,3 +41,44 @@ def peers(request):
     remove_stale_sockets(since=started)
     assert not leftovers, f"processes outlived the test: {leftovers}"
     assert not sockets, f"socket files outlived the test: {sockets}"
+
+
+def _dht_nodes(started: float):
+    """A factory of DHT nodes on 127.0.0.1 that join the first; yields it, then shuts every node down."""
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    nodes = [first]
+
+    def more(n: int) -> list[hivemind.DHT]:
+        while len(nodes) < n:
+            nodes.append(
+                hivemind.DHT(
+                    start=True,
+                    host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                    initial_peers=[str(a) for a in first.get_visible_maddrs()],
+                )
+            )
+        return nodes[:n]
+
+    try:
+        yield more
+    finally:
+        for node in nodes:
+            node.shutdown()
+        remove_stale_sockets(since=started, settle=1.0)
+
+
+@pytest.fixture
+def dhts():
+    """``dhts(n)``: n DHT nodes, with every process-wide patch of swarm/patches installed for the test (and
+    taken out again after it): the averagers the test builds are forked with them."""
+    started = time.time()
+    with patches.installed():
+        yield from _dht_nodes(started)
+
+
+@pytest.fixture
+def plain_dhts():
+    """``plain_dhts(n)``: n DHT nodes with hivemind as it is, no patch installed during the test."""
+    started = time.time()
+    with patches.plain_hivemind():
+        yield from _dht_nodes(started)

@@ -26,7 +26,8 @@ Two entry points:
 
 - :func:`install` applies the process-wide changes (attributes of hivemind's classes and modules), after
   checking hivemind's version. Call it before any averager starts: an averager process is forked with the
-  classes as they are then. :func:`uninstall` puts hivemind's own back (for tests).
+  classes as they are then. :func:`uninstall`, and the context managers :func:`installed` and
+  :func:`plain_hivemind`, put hivemind's own back (for tests).
 - :func:`swarm.patches.optimizer.wire` applies the changes to one running ``hivemind.Optimizer``, built with
 the
   gradient averager of :func:`swarm.patches.grad_averager.round_averager`.
@@ -91,20 +92,35 @@ def uninstall() -> None:
 
 @contextmanager
 def installed(*names: str) -> Iterator[None]:
-    """Within the block, exactly the process-wide patches named (all of them if none is named) are installed;
-    the ones installed before are installed again afterwards. For tests that compare plain hivemind with
-    hivemind and one patch."""
+    """Within the block, exactly the process-wide patches named are installed (all of them if none is named);
+    those installed before are installed again afterwards. For tests that compare plain hivemind
+    (:func:`plain_hivemind`) with hivemind and one patch."""
+    with _only(names or tuple(p.name for p in process_wide())):
+        yield
+
+
+@contextmanager
+def plain_hivemind() -> Iterator[None]:
+    """Within the block no process-wide patch is installed; those installed before are installed again
+    afterwards."""
+    with _only(()):
+        yield
+
+
+@contextmanager
+def _only(names: tuple[str, ...]) -> Iterator[None]:
     patches = process_wide()
     unknown = set(names) - {p.name for p in patches}
     if unknown:
         raise ValueError(f"no such patch: {', '.join(sorted(unknown))}")
     before = [p for p in patches if p.installed]
-    wanted = [p for p in patches if not names or p.name in names]
     for patch in reversed(patches):
         patch.uninstall()
-    check_version()
-    for patch in wanted:
-        patch.install()
+    if names:
+        check_version()
+    for patch in patches:
+        if patch.name in names:
+            patch.install()
     try:
         yield
     finally:

@@ -1,0 +1,210 @@
+"""What the tests of swarm/patches share: peers that only announce progress, the swarm's state averagers,
+states of mixed sizes, screened gradient rounds."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from contextlib import contextmanager
+from functools import partial
+from types import SimpleNamespace
+
+import hivemind
+import torch
+from hivemind.compression import CompressionInfo, TensorRole
+from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.state_averager import TrainingStateAverager
+
+from swarm.averaging.screen import RoundScreen
+from swarm.patches import allreduce, grad_averager, matchmaking, progress, state_averager
+from swarm.patches import optimizer as wiring
+from swarm.procs import start_group, stop_group
+from swarm.waiting import wait_until
+
+PROGRESS_ONLY = """
+import sys, time, hivemind
+from hivemind.optim.progress_tracker import ProgressTracker
+run_id, epoch = sys.argv[1], int(sys.argv[2])
+dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=sys.argv[3:])
+tracker = ProgressTracker(dht, run_id, target_batch_size=8, start=True)
+tracker.report_local_progress(epoch, 1)
+while True:
+    time.sleep(1)
+"""
+
+
+MATCHMAKING = 30.0  # far longer than any test waits: a round that finishes sooner closed its group early
+
+
+@contextmanager
+def _optimizer_beside_a_progress_only_peer(node: hivemind.DHT, net: torch.nn.Module):
+    """A hivemind.Optimizer on ``node`` (SGD, lr 1) with the swarm's round averager, and a second peer B that
+    only announces progress, as a peer that is busy or stuck would: A counts two peers, so it tries to average
+    with B. B is another process because progress records are signed with a process-wide key."""
+    opt = hivemind.Optimizer(
+        dht=node,
+        run_id="pytest-rounds-fail",
+        params=net.parameters(),
+        optimizer=partial(torch.optim.SGD, lr=1.0),
+        target_batch_size=8,
+        batch_size_per_step=4,
+        matchmaking_time=2.0,
+        averaging_timeout=4.0,
+        averager_opts={"request_timeout": 1.5},
+        grad_averager_factory=grad_averager.round_averager(partial(GradientAverager, request_timeout=1.5)),
+    )
+    peer_b = _progress_only_peer(node, "pytest-rounds-fail", 0)
+    try:
+
+        def both_seen() -> bool:
+            opt.tracker.report_local_progress(0, 1)  # a tracker reports once it has samples
+            return opt.tracker.global_progress.num_peers >= 2
+
+        wait_until(both_seen, timeout=60)
+        assert opt.tracker.global_progress.num_peers == 2, peer_b.poll()
+        yield opt
+    finally:
+        stop_group(peer_b, grace=10.0)
+        opt.shutdown()
+
+
+def _progress_only_peer(node: hivemind.DHT, run_id: str, epoch: int) -> subprocess.Popen:
+    """A peer of ``run_id`` (another process: progress records are signed with a process-wide key) that only
+    announces progress at ``epoch``, as one that is busy or stuck would."""
+    return start_group(
+        [sys.executable, "-c", PROGRESS_ONLY, run_id, str(epoch), *map(str, node.get_visible_maddrs())],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _state_averagers(nodes: list, nets: list, prefix: str, **options) -> list:
+    """The swarm's state averager (SGD, lr 0.1) on each DHT node, over each net's parameters."""
+
+    cls = state_averager.state_averager_class(TrainingStateAverager)
+    sgd = partial(torch.optim.SGD, lr=0.1)
+    return [
+        cls(dht=node, params=net.parameters(), prefix=prefix, optimizer=sgd, start=True, **options)
+        for node, net in zip(nodes, nets, strict=True)
+    ]
+
+
+def _state(seed: int) -> tuple[list[torch.Tensor], list[CompressionInfo]]:
+    """A state like the state averager's: parameters, then Adam statistics, of mixed sizes and dtypes."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(64,), (64, 64), (3,), (10, 64), (1, 65, 64), (7,)]
+    params = [torch.randn(*s, generator=gen) for s in shapes]
+    stats = [torch.rand(*s, generator=gen) for s in shapes]
+    extra = [torch.randn(5, generator=gen).double()]
+    infos = [CompressionInfo.from_tensor(t, key=i, role=TensorRole.PARAMETER) for i, t in enumerate(params)]
+    infos += [
+        CompressionInfo.from_tensor(t, key=(i, "m"), role=TensorRole.OPTIMIZER) for i, t in enumerate(stats)
+    ]
+    infos += [CompressionInfo.from_tensor(t, key=99, role=TensorRole.UNSPECIFIED) for t in extra]
+    return params + stats + extra, infos
+
+
+def _abandoning_join_request(abandoned: list):
+    """Matchmaking._request_join_group of a follower whose process is starved right after it asks a leader to
+    take it: the request reaches the leader, but the follower has given up before the answer (request_timeout)
+    and looks on. Only the first request of each step is abandoned."""
+    from hivemind.averaging.matchmaking import Matchmaking
+
+    from swarm.faults import send_join_request
+
+    original = Matchmaking._request_join_group
+
+    async def request(self, leader):
+        if id(self.step_control) in abandoned:
+            return await original(self, leader)
+        abandoned.append(id(self.step_control))
+        abandoned.append(await send_join_request(self, leader))  # kept open: the answer is never read
+        return None
+
+    return request
+
+
+def _gradients(net: torch.nn.Module, scale: float, seed: int) -> list[torch.Tensor]:
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(seed))
+    net.zero_grad()
+    (net(x).pow(2).sum() * scale).backward()
+    return [p.grad.detach().clone() for p in net.parameters()]
+
+
+@contextmanager
+def _screened_gradient_pair(dhts, prefix: str, own_scale=None):
+    """A (the swarm's round averager, its screen wired by ``screen_rounds``) and B, whose averager speaks the
+    swarm's packed format (docs/hivemind-patches.md item 3) but has no screen, on two real DHT nodes. Yields
+    (nets, averagers, opt, screen, rejected, loaded); ``opt`` carries the two attributes of hivemind.Optimizer
+    that screen_rounds wraps, and ``loaded`` counts the calls of hivemind's own loading after the screen."""
+    node_a, node_b = dhts(2)
+    torch.manual_seed(0)
+    net_a = torch.nn.Linear(4, 3)
+    net_b = torch.nn.Linear(4, 3)
+    net_b.load_state_dict(net_a.state_dict())  # the same gradients at the same seed
+    common = dict(prefix=prefix, min_matchmaking_time=MATCHMAKING, request_timeout=1.5, start=True)
+    a = grad_averager.keeping_local_gradients(GradientAverager)(
+        list(net_a.parameters()), dht=node_a, **common
+    )
+    b = allreduce.packing(GradientAverager)(list(net_b.parameters()), dht=node_b, **common)
+    screen, rejected, loaded = RoundScreen(10.0), [], []
+    opt = SimpleNamespace(
+        grad_averager=a,
+        state_averager=SimpleNamespace(),
+        _load_averaged_gradients_into_optimizer_=lambda: loaded.append(True),
+    )
+    wiring.screen_rounds(opt, screen, lambda *args: rejected.append(args), own_scale=own_scale)
+    try:
+        for averager in (a, b):
+            matchmaking.set_target_group_size(averager, 2, {})
+        yield (net_a, net_b), (a, b), opt, screen, rejected, loaded
+    finally:
+        for averager in (a, b):
+            averager.shutdown()
+
+
+def _screened_round(pair, a_grads: tuple[float, int], b_grads: tuple[float, int], seed: int, b_seed: int):
+    """One real round of the pair: A and B accumulate the gradients of their batches (drawn with ``seed``
+    and ``b_seed``) times (scale, batch size) each; then A's screened loading runs. Returns A's own gradient
+    and B's."""
+    (net_a, net_b), (a, b), opt, *_ = pair
+    own = _gradients(net_a, a_grads[0], seed=seed)
+    a.accumulate_grads_(batch_size=a_grads[1])
+    theirs = _gradients(net_b, b_grads[0], seed=b_seed)
+    b.accumulate_grads_(batch_size=b_grads[1])
+    controls = [x.step(wait=False, timeout=MATCHMAKING + 10) for x in (a, b)]
+    assert all(len(c.result(timeout=MATCHMAKING - 5)) == 2 for c in controls)
+    opt._load_averaged_gradients_into_optimizer_()
+    return own, theirs
+
+
+def _assert_a_holds(pair, expected: list[torch.Tensor]) -> None:
+    (_, (a, b), *_) = pair
+    with a.get_tensors() as got:
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    for x in (a, b):
+        x.notify_used_averaged_gradients()
+
+
+@contextmanager
+def _two_trackers(dhts, run: str, target: int):
+    """Progress trackers A and B of run ``run`` on two DHT nodes, each signing with its own key (by default a
+    tracker signs with the process-wide key: one record for both), reads at most a minute apart, item 14
+    installed (as the strategy installs it)."""
+    from hivemind.optim.progress_tracker import ProgressTracker
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    trackers = []
+    try:
+        for node in dhts(2):
+            tracker = ProgressTracker(
+                node, run, target, max_refresh_period=60.0, private_key=RSAPrivateKey(), start=True
+            )
+            trackers.append(tracker)
+            progress.read_soon_while_speeds_unknown(tracker)
+        yield trackers
+    finally:
+        for tracker in trackers:
+            tracker.shutdown()

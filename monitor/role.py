@@ -21,6 +21,7 @@ import torch
 from monitor.aggregate import EpochAggregator, EpochPoint
 from monitor.board import Board
 from monitor.state import CheckpointKeeper, SwarmModel
+from swarm import patches
 from swarm.config import ExperimentConfig, save_config
 from swarm.log import quiet_libraries
 from swarm.net import metrics
@@ -156,6 +157,7 @@ def _prepare(cfg: ExperimentConfig) -> tuple[Invite | None, str, CheckpointKeepe
     """Everything that can fail on the user's input, before joining the swarm: addresses and the invite,
     device, checkpoint location, validation data (the whole split) and the TensorBoard run."""
     quiet_libraries()
+    patches.check_version()  # another hivemind release: one line, before any slow work
     invite = check_addresses(cfg.swarm)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)

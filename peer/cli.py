@@ -52,6 +52,7 @@ def _fail_cleanly(func: Callable) -> Callable:
                 "ConfigMismatchError",
                 "SwarmWedgedError",
                 "InviteError",
+                "HivemindVersionError",
             )
             if type(exc).__name__ in known or isinstance(
                 exc, (ValueError, FileNotFoundError, PermissionError)

@@ -17,6 +17,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from swarm import patches
 from swarm.averaging.strategy import HivemindStrategy, lr_of
 from swarm.config import ExperimentConfig, save_config
 from swarm.layout import volunteer_dir
@@ -449,6 +450,7 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
     """
     started = time.time()
     quiet_libraries()
+    patches.check_version()  # another hivemind release: one line, before any slow work
     invite = check_addresses(cfg.swarm)  # the invite, read and verified once, before any slow work
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)

@@ -106,6 +106,25 @@ def test_malformed_multiaddr_is_one_line_error(tmp_path):
     assert "not a multiaddr" in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("command", ["join", "monitor"])
+def test_another_hivemind_release_is_one_line_before_any_slow_work(tmp_path, monkeypatch, command):
+    """swarm/patches was written for one hivemind release: another gets one line that names the supported
+    release and how to install it, before the data set or the DHT (no p2p daemon was started)."""
+    import hivemind
+
+    from swarm import patches
+
+    monkeypatch.setattr(hivemind, "__version__", "1.2.0")
+    result = CliRunner().invoke(main, [command, "--config", "demo", "--log-dir", str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    assert result.output.strip().splitlines() == [
+        f"Error: swarm trainer supports hivemind {patches.SUPPORTED} only (its changes to hivemind's "
+        "averagers were written against that release), and hivemind 1.2.0 is installed: run "
+        f"`pip install hivemind=={patches.SUPPORTED}` in this environment"
+    ]
+    assert not list(tmp_path.rglob("*.yaml"))  # nothing was set up: not even the resolved config
+
+
 def test_help_lists_the_commands():
     result = CliRunner().invoke(main, ["--help"])
     assert result.exit_code == 0

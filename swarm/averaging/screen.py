@@ -96,32 +96,25 @@ class RoundScreen:
         averaged: Sequence[torch.Tensor],
         roles: Sequence[str],
         kind: str = "state",
+        wholes: dict[str, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]] | None = None,
     ) -> str | None:
         """None if the averaged (``kind`` "state") or downloaded ("download") state may replace ``local``,
         else why not. ``roles`` names each tensor's part (parameters, optimizer statistics, extra tensors);
-        each part is judged on its own. A part that is all zeros here (a newcomer's optimizer statistics)
-        cannot be judged, and passes."""
+        each part is judged on its own. ``wholes`` adds parts given as (this peer's tensors, the new ones),
+        lists that need not match one to one (a newcomer's empty optimizer state against a donor's). A part
+        that is all zeros here (a newcomer's optimizer statistics) cannot be judged by size, and passes
+        unless it is non-finite."""
         parts: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for mine, theirs, role in zip(local, averaged, roles, strict=True):
             pair = parts.setdefault(role, ([], []))
             pair[0].append(mine)
             pair[1].append(theirs)
+        for role, (mine, theirs) in (wholes or {}).items():
+            parts[role] = (list(mine), list(theirs))
+        what = "averaged" if kind == "state" else "downloaded"
         for role, (mine, theirs) in parts.items():
-            what = "averaged" if kind == "state" else "downloaded"
-            # sizes leave out one-number tensors: step counters (DiLoCo's inner AdamW steps travel as extra
-            # tensors) of a peer that fell far behind differ from the swarm's by design
-            size, own = (
-                total_norm([t for t in theirs if t.numel() > 1]),
-                total_norm([t for t in mine if t.numel() > 1]),
-            )
-            if not all_finite(theirs):
-                reason = f"the {what} {role} are non-finite"
-            elif self._outsized(size, own):
-                reason = (
-                    f"the {what} {role} have norm {size:.3g}, {size / own:.0f}x this peer's {own:.3g} "
-                    f"(the limit is {self.factor:g}x)"
-                )
-            else:
+            reason = self._judge_part(role, mine, theirs, what)
+            if reason is None:
                 continue
             if kind == "state":
                 self.rejected_state_rounds += 1
@@ -129,6 +122,22 @@ class RoundScreen:
                 self.rejected_downloads += 1
             return self._rejected(kind, reason)
         self.in_row[kind] = 0
+        return None
+
+    def _judge_part(
+        self, role: str, mine: list[torch.Tensor], theirs: list[torch.Tensor], what: str
+    ) -> str | None:
+        # sizes leave out one-number tensors: step counters (DiLoCo's inner AdamW steps travel as extra
+        # tensors) of a peer that fell far behind differ from the swarm's by design
+        size = total_norm([t for t in theirs if t.numel() > 1])
+        own = total_norm([t for t in mine if t.numel() > 1])
+        if not all_finite(theirs):
+            return f"the {what} {role} are non-finite"
+        if self._outsized(size, own):
+            return (
+                f"the {what} {role} have norm {size:.3g}, {size / own:.0f}x this peer's {own:.3g} "
+                f"(the limit is {self.factor:g}x)"
+            )
         return None
 
     def _rejected(self, kind: str, reason: str) -> str:

@@ -17,7 +17,8 @@ member of a state round takes the largest epoch it gathered, whatever its size.
   tensors. The state is served only once the epoch's step has ended, copied under the lock, and copied again
   when a step began while it copied; :func:`lock_updates` holds the lock while the optimizer updates.
 - item 7: an averaged state and a download are judged by the peer's round screen before they are applied
-  (its ``screen`` and ``on_rejected`` attributes).
+  (its ``screen`` and ``on_rejected`` attributes); a download is judged whole (the optimizer's state dict
+  included, at any epoch), and never changes the optimizer's hyperparameters.
 - item 9: a groupmate's malformed or far-ahead epoch would move this peer: :func:`sane_epochs`.
 - item 12: a state round looks for its group for at most ``find_group_within`` seconds, while the round itself
   keeps ``allreduce_timeout``.
@@ -52,6 +53,13 @@ _ROLE_NAMES = {"PARAMETER": "parameters", "OPTIMIZER": "optimizer statistics"}
 def _roles(averager: Any) -> list[str]:
     """What each of a state averager's tensors is, as the screen names it (item 7)."""
     return [_ROLE_NAMES.get(info.role.name, "extra tensors") for info in averager.tensor_infos]
+
+
+def _changed(before: list[torch.Tensor], after: list[torch.Tensor]) -> bool:
+    """Whether a download changed any of these tensors (or their number)."""
+    return len(before) != len(after) or any(
+        a.shape != b.shape or not torch.equal(a, b.to(a.device)) for a, b in zip(before, after, strict=True)
+    )
 
 
 def sane_epochs(gathered: dict, own_id: Any) -> dict:
@@ -170,23 +178,44 @@ class _SettledState:
             self.held_epoch = self.local_epoch
 
     def _load_screened(self: Any, **kwargs: Any) -> Any:
-        """hivemind's state download, judged like an averaging round (item 7): hivemind.Optimizer downloads
-        from the peer with the newest epoch whenever this peer falls behind, and an attacker that runs ahead
-        would otherwise hand its state over. A rejected download is undone; the peer keeps its own tensors
-        and takes the newer epoch (so it does not download again at the next step)."""
-        if self.screen is None:
-            return super().load_state_from_peers(**kwargs)
+        """hivemind's state download (state_averager.py:658-698), judged like an averaging round (item 7):
+        hivemind.Optimizer downloads from the peer with the newest epoch whenever this peer falls behind, and
+        an attacker that runs ahead would otherwise hand its state over. A download replaces the parameters,
+        the extra tensors and the optimizer's whole state dict (``load_optimizer_state``): every tensor of it
+        is judged, the ones the state round does not average too (SGD's momentum, DiLoCo's outer momentum),
+        and a download at this peer's own epoch as much as a newer one (a repeated download of item 13
+        comes at the same epoch). The optimizer's hyperparameters (learning rate, weight decay, betas) stay
+        this peer's own: honest peers share them (swarm/net/fingerprint.py) and the schedule sets the rate,
+        while a donor's would steer the next updates. A rejected download is undone; the peer keeps its own
+        state and takes the newer epoch (so it does not download again at the next step)."""
+        from hivemind.optim.state_averager import dump_optimizer_state, load_optimizer_state
+
         with torch.no_grad(), self.lock_averaged_tensors:
             before = [t.detach().clone() for t in self._local_tensors()]
+            opt_metadata, opt_before = dump_optimizer_state(self.optimizer)
+            opt_before = [t.clone() for t in opt_before]
+            hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         epoch = self.local_epoch
         result = super().load_state_from_peers(**kwargs)
-        if self.local_epoch == epoch:
-            return result  # nothing was loaded
         with torch.no_grad(), self.lock_averaged_tensors:
+            for group, own in zip(self.optimizer.param_groups, hyper, strict=True):
+                group.update(own)
+            after = list(self._local_tensors())
+            _, opt_after = dump_optimizer_state(self.optimizer)
+            loaded = self.local_epoch != epoch or _changed(before, after) or _changed(opt_before, opt_after)
+            if not loaded or self.screen is None:
+                return result
             reason = self.screen.judge_state(
-                before, list(self._local_tensors()), _roles(self), kind="download"
+                before,
+                after,
+                _roles(self),
+                kind="download",
+                wholes={"optimizer state": (opt_before, opt_after)},
             )
             if reason is not None:
+                load_optimizer_state(self.optimizer, opt_metadata, opt_before)
+                for group, own in zip(self.optimizer.param_groups, hyper, strict=True):
+                    group.update(own)
                 for mine, now in zip(before, self._local_tensors(), strict=True):
                     now.copy_(mine)
         if reason is not None:

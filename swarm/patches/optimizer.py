@@ -96,7 +96,10 @@ class Wired:
 
 def wire(opt: Any, wiring: Wiring) -> Wired:
     """Apply every per-optimizer change to ``opt`` (a running ``hivemind.Optimizer`` built after
-    swarm.patches.install(), with a gradient averager from swarm.patches.grad_averager), in this order."""
+    swarm.patches.install(), with a gradient averager from swarm.patches.grad_averager), in this order.
+    ``opt`` must be built from an optimizer instance, as the strategy does: built from ``params`` and an
+    optimizer factory, hivemind offloads the optimizer and holds the tensor lock through its update
+    (optim/state_averager.py:517), and item 4's hooks, which take the same lock, would wait forever."""
     wired = Wired()
     never_cancel_rounds(opt)  # items 5 and 10
     download_the_epoch_it_names(opt)  # item 13

@@ -1,46 +1,237 @@
-"""What swarm/patches/optimizer.py changes on one hivemind.Optimizer: judged gradients (item 7), rounds never
-skipped (item 10), downloads numbered with their epoch (item 13), agreed state rounds skipped (item 16),
-AdamW's counters by epoch (item 17)."""
+"""What swarm/patches/optimizer.py changes on one hivemind.Optimizer: rounds never cancelled (item 5) or
+skipped (item 10), judged gradients (item 7), strangers met in the next round (item 11), downloads numbered
+with their epoch (item 13), agreed state rounds skipped (item 16), AdamW's counters by epoch (item 17), and
+the order in which ``wire`` applies them. Each test runs one scenario on plain hivemind (the change not
+applied) and with the change."""
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
 from functools import partial
 from types import SimpleNamespace
+from typing import Any
 
 import hivemind
+import pytest
 import torch
+from hivemind.averaging.control import AveragingStage
 from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.averaging.diloco import DiLoCo
-from swarm.averaging.screen import total_norm
-from swarm.patches import allreduce, grad_averager, matchmaking
+from swarm.averaging.rounds import RoundClock
+from swarm.averaging.screen import RoundScreen, total_norm
+from swarm.patches import allreduce, grad_averager, matchmaking, progress
 from swarm.patches import optimizer as wiring
-from swarm.procs import stop_group
 from swarm.waiting import wait_until
-from tests.patches.common import (
-    MATCHMAKING,
-    _assert_a_holds,
-    _gradients,
-    _optimizer_beside_a_progress_only_peer,
-    _progress_only_peer,
-    _screened_gradient_pair,
-    _screened_round,
-    _state_averagers,
-)
+from tests.patches.common import MATCHMAKING, _assert_a_holds, _gradients, _screened_round, _state_averagers
+
+PLAIN_OR_PATCHED = pytest.mark.parametrize("patched", [False, True], ids=["plain hivemind", "patched"])
+MATCHMAKING_TIME, AVERAGING_TIMEOUT = 0.5, 2.0  # a lone peer's rounds: looking from 0.5 s, failed at 2 s
+# two peers' rounds: a follower waits this long for its leader's answer. Far below MATCHMAKING (the group
+# closes when full), and far above a starved process's pause on a loaded 2-core machine, which would make
+# the follower give up on a leader that took it (item 8) and the round end without it
+REQUEST_TIMEOUT = 5.0
 
 
-def test_an_outsized_averaged_gradient_is_rejected_for_the_peers_own(dhts):
-    """In the first round B is honest and A applies the exact mean; in the second B's gradient is 10,000
-    times too large, and A's screen puts A's own gradient where the mean was, counts the round and says why.
-    (A plain hivemind GradientAverager cannot average with the swarm's packed parts at all: its round fails
-    with "received 0.0% results".)"""
-    with _screened_gradient_pair(dhts, "pytest-rounds-screen") as pair:
-        *_, screen, rejected, loaded = pair
+@contextmanager
+def _screened_gradient_pair(dhts, prefix: str, own_scale: Any = None) -> Iterator[tuple]:
+    """tests.patches.common._screened_gradient_pair with REQUEST_TIMEOUT: A (the swarm's round averager, its
+    screen wired by ``screen_rounds``) and B (the swarm's packed format, no screen) on two DHT nodes. Yields
+    (nets, averagers, opt, screen, rejected, loaded) for tests.patches.common._screened_round."""
+    node_a, node_b = dhts(2)
+    torch.manual_seed(0)
+    net_a = torch.nn.Linear(4, 3)
+    net_b = torch.nn.Linear(4, 3)
+    net_b.load_state_dict(net_a.state_dict())  # the same gradients at the same seed
+    common = dict(
+        prefix=prefix, min_matchmaking_time=MATCHMAKING, request_timeout=REQUEST_TIMEOUT, start=True
+    )
+    a = grad_averager.keeping_local_gradients(GradientAverager)(
+        list(net_a.parameters()), dht=node_a, **common
+    )
+    b = allreduce.packing(GradientAverager)(list(net_b.parameters()), dht=node_b, **common)
+    screen, rejected, loaded = RoundScreen(10.0), [], []
+    opt = SimpleNamespace(
+        grad_averager=a,
+        state_averager=SimpleNamespace(),
+        _load_averaged_gradients_into_optimizer_=lambda: loaded.append(True),
+    )
+    wiring.screen_rounds(opt, screen, lambda *args: rejected.append(args), own_scale=own_scale)
+    try:
+        for averager in (a, b):
+            matchmaking.set_target_group_size(averager, 2, {})
+        yield (net_a, net_b), (a, b), opt, screen, rejected, loaded
+    finally:
+        for averager in (a, b):
+            averager.shutdown()
+
+
+@contextmanager
+def _lone_optimizer(node: hivemind.DHT, run: str, optimizer: Any = None) -> Iterator[hivemind.Optimizer]:
+    """A hivemind.Optimizer on ``node`` built as swarm/averaging/strategy.py builds it: around an optimizer
+    of the module's parameters (``optimizer`` of them; SGD, lr 1, by default), so that hivemind runs the
+    update on them without the tensor lock (no offloading, ``reuse_tensors`` False), with the swarm's
+    gradient averager; and short rounds: a round pre-scheduled with nobody to find fails at
+    AVERAGING_TIMEOUT."""
+    net = torch.nn.Linear(4, 3)
+    opt = hivemind.Optimizer(
+        dht=node,
+        run_id=run,
+        optimizer=(optimizer or partial(torch.optim.SGD, lr=1.0))(net.parameters()),
+        target_batch_size=8,
+        batch_size_per_step=4,
+        matchmaking_time=MATCHMAKING_TIME,
+        averaging_timeout=AVERAGING_TIMEOUT,
+        averager_opts={"request_timeout": 1.0},
+        delay_state_averaging=False,  # as swarm/averaging/strategy.py: the epoch's state round is awaited
+        grad_averager_factory=grad_averager.round_averager(partial(GradientAverager, request_timeout=1.0)),
+    )
+    try:
+        yield opt
+    finally:
+        opt.scheduled_grads = None  # each test ends its rounds itself (see the item 10 test)
+        opt.shutdown()
+
+
+@contextmanager
+def _optimizer_beside_a_tracker(dhts, run: str, optimizer: Any = None) -> Iterator[hivemind.Optimizer]:
+    """A lone optimizer (above) whose tracker counts two peers from real reads: its own record and that of a
+    peer B that only reports progress (a tracker on a second node with its own key, as a peer that computes
+    its samples)."""
+    node_a, node_b = dhts(2)
+    b = ProgressTracker(node_b, run, target_batch_size=8, private_key=RSAPrivateKey(), start=True)
+    try:
+        b.report_local_progress(0, 1)
+        with _lone_optimizer(node_a, run, optimizer) as opt:
+            opt.tracker.report_local_progress(0, 4)  # its own record: stored once it has samples
+
+            def both_seen() -> bool:
+                if opt.tracker.global_progress.num_peers == 2:
+                    return True
+                progress.read_within(opt.tracker, 0.0)  # read again now
+                return False
+
+            assert wait_until(both_seen, timeout=20, interval=0.1), opt.tracker.global_progress
+            yield opt
+    finally:
+        b.shutdown()
+
+
+def _a_round_that_names_a_stranger(opt: hivemind.Optimizer) -> Future:
+    """Make ``opt``'s next gradient round end at once with the result of a round in which groupmate C never
+    learnt of the group (swarm/patches/allreduce.py names it a stranger, item 11): hivemind's
+    ``_begin_averaging_gradients`` gets this control from ``grad_averager.step``."""
+    control: Future = Future()
+    control.set_result(allreduce.Gathered.without({"a": None, "b": None, "c": None}, {"c"}))
+    control.triggered = True  # type: ignore[attr-defined]  # as a StepControl whose all-reduce was allowed
+    opt.grad_averager.step = lambda **kwargs: control
+    return control
+
+
+@PLAIN_OR_PATCHED
+def test_a_round_scheduled_while_other_peers_were_seen_is_run_not_cancelled(dhts, patched):
+    """Item 5. hivemind.Optimizer pre-schedules a gradient round when its tracker expects the epoch within
+    ``matchmaking_time``, even with no other peer (optim/optimizer.py:559-567), and at the epoch's end cancels
+    a pre-scheduled round that is still looking for its group when the tracker counts no other peer
+    ("Skipping pre-scheduled averaging round: there are no other peers", optimizer.py:539-542). Here both
+    cancels land while the averager process looks for a group (the case that wedged a demo peer's
+    matchmaking). With never_cancel_rounds nothing is scheduled alone, and a round scheduled while another
+    peer was seen runs: with its peer gone it fails at its deadline. The tracker's counts are set under its
+    lock, as a read would leave them (hivemind holds that lock for the epoch's end)."""
+    (node,) = dhts(1)
+    with _lone_optimizer(node, f"pytest-rounds-cancel-{patched}") as opt:
+        if patched:
+            wiring.never_cancel_rounds(opt)
+        seen: dict[str, tuple] = {}
+        with opt.tracker.pause_updates():
+            opt.tracker.global_progress.eta_next_epoch = get_dht_time()  # the epoch is due: schedule now
+            for case, (when_scheduled, at_the_end) in {"alone": (1, 1), "peer left": (2, 1)}.items():
+                opt.tracker.global_progress.num_peers = when_scheduled
+                opt._maybe_schedule_gradient_averaging()
+                control = opt.scheduled_grads
+                if control is None:
+                    seen[case] = (None,)
+                    continue
+                looking = wait_until(lambda c=control: c.stage == AveragingStage.LOOKING_FOR_GROUP, 10)
+                opt.tracker.global_progress.num_peers = at_the_end
+                began = opt._begin_averaging_gradients(None)
+                seen[case] = (bool(looking), began, control.cancelled())
+                if began:  # the round runs with nobody to find: it fails at its deadline, not cancelled
+                    assert control.triggered  # its all-reduce is allowed
+                    assert wait_until(control.done, timeout=AVERAGING_TIMEOUT + 10), control.stage
+                    assert not control.cancelled() and control.exception() is not None
+                opt.scheduled_grads = None
+    # (looking for a group when the epoch ended, began a round, cancelled); (None,): nothing scheduled
+    if patched:
+        assert seen == {"alone": (None,), "peer left": (True, True, False)}, seen
+    else:
+        assert seen == {"alone": (True, False, True), "peer left": (True, False, True)}, seen
+
+
+@PLAIN_OR_PATCHED
+def test_a_round_starts_when_the_last_ones_control_is_still_there(dhts, patched):
+    """Item 10. The last epoch's round was pre-scheduled (optim/optimizer.py:559-567) and ran; this epoch's
+    was not (the swarm was ready sooner than estimated), so hivemind.Optimizer still holds the last round's
+    control in ``scheduled_grads``: ``_begin_averaging_gradients`` drops it as "already used elsewhere"
+    (optimizer.py:518-524) and starts no round at all, since the fresh round is in the ``elif`` it no longer
+    reaches (optimizer.py:526-533): the peer steps alone while its groupmates wait for it until
+    averaging_timeout. With never_cancel_rounds a fresh round starts. The tracker counts two peers from real
+    reads."""
+    with _optimizer_beside_a_tracker(dhts, f"pytest-rounds-used-{patched}") as opt:
+        if patched:
+            wiring.never_cancel_rounds(opt)
+        with opt.tracker.pause_updates():  # as at an epoch's end
+            opt.tracker.global_progress.eta_next_epoch = (
+                get_dht_time()
+            )  # the last epoch was due: pre-scheduled
+            opt._maybe_schedule_gradient_averaging()
+            last = opt.scheduled_grads
+            assert last is not None and opt._begin_averaging_gradients(None) and opt.scheduled_grads is last
+            assert wait_until(last.done, timeout=AVERAGING_TIMEOUT + 10), last.stage  # B runs no averager
+            began = opt._begin_averaging_gradients(None)  # this epoch's, nothing pre-scheduled
+            fresh = opt.scheduled_grads
+        started = began and fresh is not None and fresh is not last and fresh.triggered
+        if fresh is not None and fresh is not last and not fresh.done():
+            # a round hivemind starts itself has no deadline (GradientAverager.step without a timeout):
+            # cancelled here, and not again by opt.shutdown(): a second cancel of a control whose stage the
+            # averager process has not yet moved on raises InvalidStateError (a fresh-clone suite)
+            fresh.cancel()
+        assert started == patched, (began, fresh, last)
+        if not patched:
+            assert fresh is None  # hivemind dropped the last control and started nothing
+
+
+@PLAIN_OR_PATCHED
+def test_an_outsized_averaged_gradient_is_rejected_for_the_peers_own(dhts, patched):
+    """Item 7 for gradients. In the first round B is honest and A applies the exact mean; in the second B's
+    gradient is 10,000 times too large. Plain hivemind copies whatever the round averaged into the optimizer
+    (optim/optimizer.py:612-630, ``_load_averaged_gradients_into_optimizer_``): A then holds the mean, 7,418
+    times its own gradient's norm. With screen_rounds A's screen puts A's own gradient where the mean was,
+    counts the round and says why. Both peers run the swarm's averagers (a plain hivemind GradientAverager
+    cannot average with the swarm's packed parts at all: its round fails with "received 0.0% results")."""
+    with _screened_gradient_pair(dhts, f"pytest-rounds-screen-{patched}") as pair:
+        nets, averagers, screened, screen, rejected, loaded = pair
+        if not patched:  # hivemind's own loading, with no screen before it
+            plain = SimpleNamespace(_load_averaged_gradients_into_optimizer_=lambda: loaded.append(True))
+            pair = (nets, averagers, plain, screen, rejected, loaded)
         own, theirs = _screened_round(pair, (1.0, 4), (1.0, 4), seed=0, b_seed=10)
         _assert_a_holds(pair, [(g + h) / 2 for g, h in zip(own, theirs, strict=True)])
-        own, _ = _screened_round(pair, (1.0, 4), (1e4, 4), seed=1, b_seed=11)
+        own, theirs = _screened_round(pair, (1.0, 4), (1e4, 4), seed=1, b_seed=11)
+        assert len(loaded) == 2  # hivemind's own loading ran (after the screen, if any), both times
+        if not patched:
+            mean = [(g + h) / 2 for g, h in zip(own, theirs, strict=True)]
+            assert total_norm(mean) / total_norm(own) == pytest.approx(7418, rel=1e-3)
+            _assert_a_holds(pair, mean)  # applied unchecked
+            assert not rejected and screen.rejected_gradient_rounds == 0 and not screen.norms
+            return
         _assert_a_holds(pair, own)
-        assert len(loaded) == 2  # hivemind's own loading ran after the screen, both times
         assert screen.rejected_gradient_rounds == 1 and len(screen.norms) == 1, screen.__dict__
         ((kind, reason, samples),) = rejected
         assert kind == "gradient" and samples == 4, rejected
@@ -71,19 +262,103 @@ def test_a_diloco_peer_after_one_inner_step_accepts_the_mean_of_peers_that_took_
         assert len(loaded) == 2
 
 
-def test_a_state_round_is_skipped_only_when_the_whole_group_sent_one_state(dhts):
+@PLAIN_OR_PATCHED
+def test_a_round_that_names_a_stranger_skips_the_epochs_state_round(dhts, patched):
+    """Item 11. A gradient round ends naming groupmate C a stranger (it never learnt of the group), and the
+    epoch ends as hivemind.Optimizer ends it (``_update_global_epoch``), with two peers counted. Plain
+    hivemind holds the epoch's state round whatever the gradient round found (``averaging_round=
+    should_average_state``, optim/optimizer.py:463-490): this peer looks for a state group until
+    averaging_timeout, while the stranger still looks for it in gradient matchmaking. With
+    meet_strangers_next_round the state round is skipped and the peer goes on to the next gradient round."""
+    with _optimizer_beside_a_tracker(dhts, f"pytest-rounds-strangers-{patched}") as opt:
+        state_steps: list[tuple[bool, float]] = []  # what reached hivemind's state averager, and its time
+        state_step = opt.state_averager.step
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            began = time.monotonic()
+            try:
+                return state_step(*args, **kwargs)
+            finally:
+                if kwargs.get("increment_epoch"):
+                    state_steps.append((kwargs.get("averaging_round"), time.monotonic() - began))
+
+        opt.state_averager.step = recorded
+        told: list[tuple] = []
+        if patched:
+            wiring.meet_strangers_next_round(opt, lambda *args: told.append(args))
+        _a_round_that_names_a_stranger(opt)
+        opt._update_global_epoch(None)
+        assert opt.local_epoch == 1
+        ((held, seconds),) = state_steps
+    if patched:
+        assert not held and told == [(1, frozenset({"c"}))], (state_steps, told)
+    else:  # held, and it looked for a state group (nobody else's state averager) until its deadline
+        assert held and seconds >= AVERAGING_TIMEOUT - 0.1 and not told, (state_steps, told)
+
+
+def test_wire_applies_the_changes_in_the_order_they_need(dhts):
+    """``wire`` with a RoundClock as the instrument (as swarm/averaging/strategy.py wires it), over one epoch
+    whose gradient round names a stranger: the clock sits inside the wrappers that skip a state round, so the
+    skipped round is not timed as a state round (a clock applied after wire, outermost, times it), and the
+    clock's update hooks come before the tensor lock's (its update time includes the wait for the lock, as
+    a donor copying the state holds it), with AdamW's counters numbered after the lock is taken (item 17). The
+    lock is held here while the epoch's update waits for it."""
+    adamw = partial(torch.optim.AdamW, lr=1e-3)
+    with _optimizer_beside_a_tracker(dhts, "pytest-rounds-wire", adamw) as opt:
+        update = opt.state_averager.optimizer
+        told: list[tuple] = []
+        wired = wiring.wire(
+            opt,
+            wiring.Wiring(
+                update_optimizer=update,
+                instrument=lambda o: RoundClock(o, update),
+                on_strangers=lambda *args: told.append(args),
+            ),
+        )
+        clock, outer = wired.instrument, RoundClock(opt, update)
+        try:
+            counters = [state["step"] for state in update.state.values()]
+            for counter in counters:
+                counter.fill_(7.0)  # a peer that ran 7 updates
+            _a_round_that_names_a_stranger(opt)
+            epoch = threading.Thread(target=opt._update_global_epoch, args=(None,), daemon=True)
+            with opt.state_averager.lock_averaged_tensors:
+                epoch.start()
+                assert wait_until(lambda: clock._update_started, timeout=20, interval=0.01)
+                assert not outer._update_started  # registered after the lock's hook: waits for the lock
+                assert {float(c) for c in counters} == {7.0}  # numbered only once the lock is taken
+                waited_from, released = clock._update_started, time.perf_counter()  # released just after
+            epoch.join(timeout=30)
+            assert not epoch.is_alive()
+            assert opt.local_epoch == 1 and {float(c) for c in counters} == {1.0}
+            assert told == [(1, frozenset({"c"}))], told
+            assert clock.strangers == 1 and clock.parts["state"] == 0.0, clock.parts  # skipped: not timed
+            assert outer.parts["state"] > 0.0, outer.parts  # outside the skipping wrappers: timed as one
+            assert clock.parts["update"] >= released - waited_from, clock.parts  # the wait for the lock too
+            assert outer.parts["update"] > 0.0, outer.parts
+        finally:
+            outer.close()
+            wired.remove()
+            wired.instrument.close()
+
+
+@PLAIN_OR_PATCHED
+def test_a_state_round_is_skipped_only_when_the_whole_group_sent_one_state(dhts, patched):
     """Item 16 on real averagers: A and B each hold the swarm's gradient averager and state averager over a
-    net; their gradient rounds carry each one's state digest and tracker count in hivemind's all-gather.
-    Equal nets: both skip the epoch's state round (they would average equal tensors). B's weight moved by
-    1e-3: both hold it. Equal again, but B's tracker counts a third peer that is not in the group: both hold
-    it. The state steps are recorded with what hivemind.Optimizer would pass, not run."""
+    net, with equal nets. Plain hivemind runs the state round of every epoch (optim/optimizer.py:463-490,
+    ``averaging_round=should_average_state``), though the group averages equal tensors. With
+    skip_state_rounds_in_agreement their gradient rounds carry each one's state digest and tracker count in
+    hivemind's all-gather: equal nets, both skip the epoch's state round. Then B's weight moved by 1e-3: both
+    hold it. Equal again, but B's tracker counts a third peer that is not in the group: both hold it. The
+    state steps are recorded with what hivemind.Optimizer would pass, not run."""
     nodes = dhts(2)
     torch.manual_seed(0)
     nets = [torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)]
     nets[1].load_state_dict(nets[0].state_dict())
-    states = _state_averagers(nodes, nets, "pytest-rounds-agree-state")
+    states = _state_averagers(nodes, nets, f"pytest-rounds-agree-state-{patched}")
+    prefix = f"pytest-rounds-agree-{patched}"
     common = dict(
-        prefix="pytest-rounds-agree", min_matchmaking_time=MATCHMAKING, request_timeout=1.5, start=True
+        prefix=prefix, min_matchmaking_time=MATCHMAKING, request_timeout=REQUEST_TIMEOUT, start=True
     )
     grads = [
         grad_averager.keeping_local_gradients(GradientAverager)(list(net.parameters()), dht=node, **common)
@@ -102,7 +377,8 @@ def test_a_state_round_is_skipped_only_when_the_whole_group_sent_one_state(dhts)
             tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=2)),
             _average_gradients_and_load_into_optimizer=lambda control: control.result(timeout=MATCHMAKING),
         )
-        wiring.skip_state_rounds_in_agreement(opt, lambda *args, _i=i: skipped[_i].append(args))
+        if patched:
+            wiring.skip_state_rounds_in_agreement(opt, lambda *args, _i=i: skipped[_i].append(args))
         opts.append(opt)
 
     def one_round() -> list[bool]:
@@ -125,6 +401,10 @@ def test_a_state_round_is_skipped_only_when_the_whole_group_sent_one_state(dhts)
         for averager in grads:
             matchmaking.set_target_group_size(averager, 2, {})
         assert wiring.state_summary(opts[0]) == wiring.state_summary(opts[1])
+        if not patched:
+            assert one_round() == [True, True]  # equal states, averaged all the same
+            assert skipped == [[], []]
+            return
         assert one_round() == [False, False]
         assert skipped == [[(1, 2)], [(1, 2)]], skipped
         with torch.no_grad():
@@ -176,12 +456,15 @@ def test_only_one_well_formed_state_across_a_whole_group_counts_as_agreement():
     assert not wiring.in_agreement(allreduce.Gathered.without({"a": one, "b": one, "c": one}, {"c"}))
 
 
-def test_peers_whose_adamw_counted_different_steps_take_the_same_update_at_one_epoch():
+@PLAIN_OR_PATCHED
+def test_peers_whose_adamw_counted_different_steps_take_the_same_update_at_one_epoch(patched):
     """Item 17: two peers with the same parameters, AdamW moments and gradient but step counters 58 and 61
-    (as three demo peers' were at global epoch 60: 58, 60, 61) update differently through AdamW's bias
-    correction; with number_steps_by_epoch both count the epoch the update comes from, and update alike."""
+    (as three demo peers' were at global epoch 60: 58, 60, 61). Plain hivemind shares the counters with a
+    newcomer but never averages them (optim/state_averager.py:98-124: only ``average_opt_statistics``), and
+    AdamW's bias correction (1 - 0.999^t) then makes A's update 0.977 of B's, counters 59 and 62. With
+    number_steps_by_epoch both count the epoch the update comes from (61) and update alike."""
 
-    def peer(counter: int, numbered: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def peer(counter: int) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
         torch.manual_seed(0)
         net = torch.nn.Linear(4, 3)
         opt = torch.optim.AdamW(net.parameters(), lr=0.003, weight_decay=0.05)
@@ -190,85 +473,82 @@ def test_peers_whose_adamw_counted_different_steps_take_the_same_update_at_one_e
         for state in opt.state.values():
             state["step"].fill_(counter)
         _gradients(net, 1.0, seed=1)
-        if numbered:  # the state averager has numbered the new epoch 61 when the update runs
+        if patched:  # the state averager has numbered the new epoch 61 when the update runs
             wiring.number_steps_by_epoch(SimpleNamespace(local_epoch=61), opt)
+        before = [p.detach().clone() for p in net.parameters()]
         opt.step()
-        return net, opt
+        return [p.detach() - b for p, b in zip(net.parameters(), before, strict=True)], opt
 
-    for numbered in (False, True):
-        (a, opt_a), (b, opt_b) = peer(58, numbered), peer(61, numbered)
-        same = all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
-        assert same == numbered, numbered
-    steps = {float(state["step"]) for o in (opt_a, opt_b) for state in o.state.values()}
-    assert steps == {61.0}, steps
-
-
-def test_a_round_starts_when_the_last_ones_control_is_still_there(dhts):
-    """When no round was pre-scheduled for this epoch, hivemind.Optimizer still holds the previous round's
-    control, drops it as "already used elsewhere", and starts no round at all (its groupmates then waited
-    for it until averaging_timeout). With never_cancel_rounds a fresh round starts."""
-    (node_a,) = dhts(1)
-    with _optimizer_beside_a_progress_only_peer(node_a, torch.nn.Linear(4, 3)) as opt_a:
-
-        def begin_with_a_used_control(opt: hivemind.Optimizer) -> bool:
-            used = opt.grad_averager.schedule_step(timeout=4.0)
-            used.cancel()  # as done as the last round's control
-            opt.scheduled_grads = used
-            began = opt._begin_averaging_gradients(None)
-            fresh = opt.scheduled_grads
-            if fresh is not None and fresh is not used and not fresh.done():
-                fresh.cancel()
-            # cancelled here, so not again by opt.shutdown(): a second cancel of a control whose stage the
-            # averager process has not yet moved on raises InvalidStateError (a fresh-clone suite)
-            opt.scheduled_grads = None
-            return began and fresh is not None and fresh is not used
-
-        assert not begin_with_a_used_control(opt_a)  # hivemind's own: no round
-        wiring.never_cancel_rounds(opt_a)
-        assert begin_with_a_used_control(opt_a)
+    (update_a, opt_a), (update_b, opt_b) = peer(58), peer(61)
+    same = all(torch.equal(u, v) for u, v in zip(update_a, update_b, strict=True))
+    assert same == patched
+    steps = [sorted({float(state["step"]) for state in o.state.values()}) for o in (opt_a, opt_b)]
+    if patched:
+        assert steps == [[61.0], [61.0]], steps
+    else:
+        assert steps == [[59.0], [62.0]], steps
+        ratio = total_norm(update_a) / total_norm(update_b)
+        assert ratio == pytest.approx(0.977, abs=0.001), ratio
 
 
 def test_a_download_one_epoch_behind_the_swarm_keeps_the_epoch_number_of_its_state(dhts, caplog):
-    """The only donor serves epoch 5 while another peer already announces epoch 6. hivemind.Optimizer would
-    number the newcomer's download 6 ("Catching up with collaboration step"): epoch 5's parameters under 6's
-    number. With item 13 it downloads again, and keeps epoch 5 with the donor's parameters exactly."""
+    """Item 13. The only donor serves epoch 5 while another peer already announces epoch 6. Plain
+    hivemind.Optimizer numbers the newcomer's download 6 ("Catching up with collaboration step",
+    optim/optimizer.py:705-707): epoch 5's parameters under 6's number. With download_the_epoch_it_names it
+    downloads again, and keeps epoch 5 with the donor's parameters exactly. The same newcomer downloads
+    both ways, its parameters and epoch reset before each."""
     node_d, node_n = dhts(2)
     run = "pytest-rounds-behind"
     torch.manual_seed(0)
     donor_net, new_net = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
     (donor,) = _state_averagers([node_d], [donor_net], f"{run}_state_averager")
     donor.local_epoch = donor.state_sharing_priority = 5
-    ahead = _progress_only_peer(node_d, run, 6)
-    opt = hivemind.Optimizer(
-        dht=node_n,
-        run_id=run,
-        params=new_net.parameters(),
-        optimizer=partial(torch.optim.SGD, lr=0.1),
-        target_batch_size=8,
-        batch_size_per_step=4,
-        matchmaking_time=2.0,
-        averaging_timeout=4.0,
-        averager_opts={"request_timeout": 1.5},
-        load_state_timeout=20.0,
-    )
+    # a peer one epoch ahead that only reports progress (its own key: records are signed per key)
+    ahead = ProgressTracker(node_d, run, target_batch_size=8, private_key=RSAPrivateKey(), start=True)
+    opt = None
     try:
+        ahead.report_local_progress(6, 1)
+        assert wait_until(lambda: node_d.get(ahead.training_progress_key, latest=True), timeout=20)
+        opt = hivemind.Optimizer(
+            dht=node_n,
+            run_id=run,
+            params=new_net.parameters(),
+            optimizer=partial(torch.optim.SGD, lr=0.1),
+            target_batch_size=8,
+            batch_size_per_step=4,
+            matchmaking_time=2.0,
+            averaging_timeout=4.0,
+            averager_opts={"request_timeout": 1.5},
+            load_state_timeout=20.0,
+        )
+        hivemind_download = partial(hivemind.Optimizer.load_state_from_peers, opt)
         wiring.download_the_epoch_it_names(opt, attempts=2, pause=0.2)
-        assert wait_until(lambda: opt.tracker.global_epoch == 6, timeout=60), opt.tracker.global_progress
+        assert wait_until(lambda: opt.tracker.global_epoch == 6, timeout=20), opt.tracker.global_progress
+
+        def download(load: Any) -> int:
+            """The newcomer at epoch 0 with parameters of its own downloads; returns its epoch after."""
+            with torch.no_grad(), opt.tracker.pause_updates():
+                for p in new_net.parameters():
+                    p.fill_(0.5)
+                opt.state_averager.local_epoch = 0
+                opt.tracker.report_local_progress(0, 0)
+            load()
+            assert opt.local_epoch == opt.tracker.local_progress.epoch
+            for p, q in zip(new_net.parameters(), donor_net.parameters(), strict=True):
+                torch.testing.assert_close(p.detach(), q.detach())  # the donor's state, epoch 5's
+            return opt.local_epoch
+
+        assert download(hivemind_download) == 6  # epoch 5's parameters under 6's number
         with caplog.at_level("INFO", logger="swarm.patches.optimizer"):
-            opt.load_state_from_peers()
-        assert opt.local_epoch == 5 and opt.tracker.local_progress.epoch == 5
-        for p, q in zip(new_net.parameters(), donor_net.parameters(), strict=True):
-            torch.testing.assert_close(p.detach(), q.detach())
+            assert download(opt.load_state_from_peers) == 5
         messages = [r.getMessage() for r in caplog.records if r.name == "swarm.patches.optimizer"]
         assert messages == [
             "Downloaded the state of global epoch 5 while the swarm is at 6; downloading again",
             "Kept global epoch 5, the epoch of the state downloaded (the swarm is at 6); the next step "
             "downloads again",
         ], messages
-        # what this guards against: hivemind's own download, in the same swarm, numbers the same state 6
-        hivemind.Optimizer.load_state_from_peers(opt)
-        assert opt.local_epoch == 6
     finally:
-        stop_group(ahead, grace=10.0)
-        opt.shutdown()
+        ahead.shutdown()
+        if opt is not None:
+            opt.shutdown()
         donor.shutdown()

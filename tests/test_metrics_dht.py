@@ -75,33 +75,6 @@ def test_signed_records_are_exchanged_and_bad_ones_rejected(two_nodes):
     assert all(r.global_epoch in (3, 4) for r in seen.values())
 
 
-def test_dht_survives_requests_from_processes_that_exit_mid_request():
-    """hivemind's DHT process died with an EOFError traceback when a process that sent it a request (an
-    averager at Ctrl-C) exited before the request was read; ours skips such requests and keeps serving."""
-    import multiprocessing
-    import os
-
-    started = time.time()
-    node = start_node(SwarmConfig(host_maddrs=("/ip4/127.0.0.1/tcp/0",), run_id=RUN_ID))
-    dht = node.dht
-
-    def send_and_vanish() -> None:
-        dht.get("some-key", return_future=True)
-        os._exit(0)
-
-    try:
-        for _ in range(20):
-            child = multiprocessing.get_context("fork").Process(target=send_and_vanish)
-            child.start()
-            child.join(timeout=30)
-            assert child.exitcode == 0
-        assert dht.is_alive()
-        assert dht.get("some-key", return_future=True).result(timeout=10) is None
-    finally:
-        node.stop()
-        remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
-
-
 def test_config_fingerprint_refuses_a_mismatch_and_ignores_forged_records(two_nodes):
     from swarm.config import build_config, replace
     from swarm.net.fingerprint import (

@@ -1,56 +1,168 @@
-"""What swarm/patches/allreduce.py changes: a groupmate that never joins is dropped (item 8) and named a
-stranger (item 11)."""
+"""What swarm/patches/allreduce.py changes: one all-reduce part per buffer instead of one per tensor (item 3),
+a groupmate that never joins is dropped (item 8) and named a stranger (item 11). Each scenario runs on plain
+hivemind, where it shows the failure, and with the patch."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import time
 
+import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.partition import TensorPartContainer
 
-from swarm.patches import allreduce, matchmaking
-from tests.patches.common import MATCHMAKING, _abandoning_join_request
+from swarm import patches
+from swarm.patches import allreduce
+from swarm.waiting import wait_until
+from tests.conftest import _dht_nodes
+from tests.patches.common import MATCHMAKING, _abandoning_join_request, _state
+
+PLAIN_ALLREDUCE_TIMEOUT = 3.0  # item 8: plain hivemind's leader waits all of it, so short in that variant
 
 
-def test_a_groupmate_that_never_joins_is_dropped_and_the_round_ends(dhts, monkeypatch):
-    """The leader accepts a follower that has already given up on it (item 8 of swarm.averagers): the leader
-    must end its round with what it has instead of failing after allreduce_timeout, and both peers must
-    average together in the next round. With hivemind's own handlers the leader waited for the follower's
-    parts until sender_timeout and for its reduced parts until allreduce_timeout (in the demo's config: the
-    round failed after 15 s, "received 50.0% of input tensors"; the follower: "could not find a group")."""
+@pytest.fixture(scope="module")
+def nodes():
+    """``nodes(n)``: n of the DHT nodes shared by this module's tests, started before the first. No patch of
+    swarm/patches changes a DHT process, so each test installs the patches, or not, around what it builds."""
+    nodes_of = _dht_nodes(time.time())
+    started = next(nodes_of)
+    started(3)
+    yield started
+    next(nodes_of, None)  # shuts them down
+
+
+def _hivemind(patched: bool):
+    return patches.installed() if patched else patches.plain_hivemind()
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["plain hivemind", "patched"])
+def test_one_all_reduce_part_per_buffer_not_per_tensor_and_the_average_is_exact(nodes, patched, monkeypatch):
+    """Item 3. Three averagers hold a state like the state averager's: 13 tensors of mixed sizes, two dtypes
+    and three roles (parameters, optimizer statistics, an extra float64 tensor), each under 512 KiB.
+    hivemind's TensorPartContainer splits every tensor into parts of its own (averaging/partition.py:70-86),
+    and each part costs a compression call in a thread, a message and a reply: with plain hivemind each
+    peer's round has 13 parts, one per tensor. ``allreduce.packing`` averages one buffer per dtype and role:
+    3 parts. Both average exactly. Counted in the averager processes, by a TensorPartContainer that reports
+    its parts."""
+    states = [_state(seed) for seed in range(3)]
+    expected = [sum(ts) / 3 for ts in zip(*(s for s, _ in states), strict=True)]
+    cls = allreduce.packing(DecentralizedAverager) if patched else DecentralizedAverager
+    assert cls.__name__ == "DecentralizedAverager"  # p2p handler names come from the class name
+    containers = mp.get_context("fork").Queue()  # (tensors, parts), one per round of each averager process
+    split = TensorPartContainer.__init__
+
+    def counted(self, tensors, *args, **kwargs):
+        split(self, tensors, *args, **kwargs)
+        containers.put((len(tensors), sum(self.num_parts_by_tensor)))
+
+    monkeypatch.setattr(TensorPartContainer, "__init__", counted)
+    with _hivemind(patched):  # the averager processes are forked with the counting container
+        group = [
+            cls(
+                tensors,
+                dht=node,
+                prefix=f"pytest-rounds-state-{patched}",  # the shared nodes keep the other variant's records
+                tensor_infos=infos,
+                target_group_size=3,  # hivemind's own: the group closes once full, with or without item 1
+                min_matchmaking_time=MATCHMAKING,
+                request_timeout=1.5,
+                start=True,
+            )
+            for node, (tensors, infos) in zip(nodes(3), states, strict=True)
+        ]
+    monkeypatch.undo()  # this process splits as hivemind does
+    try:
+        controls = [a.step(wait=False, timeout=MATCHMAKING + 10) for a in group]
+        results = [c.result(timeout=MATCHMAKING - 5) for c in controls]
+        assert all(len(r) == 3 for r in results), results
+        parts = [containers.get(timeout=10) for _ in group]
+        # patched: float32 parameters, float32 optimizer statistics, the float64 extra tensor
+        assert parts == ([(3, 3)] * 3 if patched else [(13, 13)] * 3), parts
+        for averager in group:
+            with averager.get_tensors() as got:
+                for g, e in zip(got, expected, strict=True):
+                    assert g.dtype == e.dtype
+                    torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
+    finally:
+        for averager in group:
+            averager.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("dropped", "named"),
+    [(False, False), (True, False), (True, True)],
+    ids=["plain hivemind", "item 8 without item 11", "patched"],
+)
+def test_a_groupmate_that_never_joins_is_dropped_named_and_met_in_the_next_round(
+    nodes, dropped, named, monkeypatch
+):
+    """Items 8 and 11. The leader accepts a follower that has already given up on it (the follower's process
+    was starved for longer than request_timeout: ``_abandoning_join_request``), so the follower never learns
+    of the group. The leader sends it its parts, and hivemind's ``rpc_aggregate_part`` holds them until a
+    group registers (averaging/averager.py:581-598, ``_pending_groups_registered``), which never happens
+    while the follower looks for a group in vain: with plain hivemind the leader's all-reduce waits the whole
+    ``allreduce_timeout`` (averager.py:458-466; 15 s in the demo's config, 3 s here) and fails; only a retry
+    of the step, where its timeout leaves time for one (here), averages the two in a new group. With item 8
+    the follower answers BAD_GROUP_ID after request_timeout, and the leader drops it and ends its round long
+    before sender_timeout (20 s here); but hivemind's result (``_aggregate_with_group``,
+    averager.py:514-531) lists every member of the group, the follower among them, as if it had taken part,
+    so the optimizer cannot tell (item 11). The swarm's gradient averagers (``NamesStrangers``) name it a
+    stranger and leave it out. Then the two average together in the next round."""
     from hivemind.averaging.matchmaking import Matchmaking
 
-    leader_node, follower_node = dhts(2)
+    leader_node, follower_node = nodes(2)
+    prefix = f"pytest-rounds-abandoned-{dropped}-{named}"  # the shared nodes keep other variants' records
+    allreduce_timeout = MATCHMAKING if dropped else PLAIN_ALLREDUCE_TIMEOUT
     opts = dict(
-        prefix="pytest-rounds-abandoned",
+        prefix=prefix,
+        target_group_size=2,  # hivemind's own: the group closes once full, with or without item 1
         min_matchmaking_time=2.0,
         request_timeout=1.5,
-        allreduce_timeout=MATCHMAKING,
+        allreduce_timeout=allreduce_timeout,
         next_chunk_timeout=MATCHMAKING - 10,
         start=True,
     )
     # 300 k numbers: more than one part, so each peer reduces some of them (hivemind/averaging/partition.py)
-    # the leader names groupmates that never learnt of its group, as the swarm's gradient averagers do
-    namer = type("DecentralizedAverager", (allreduce.NamesStrangers, DecentralizedAverager), {})
-    leader = namer([torch.ones(300_000)], dht=leader_node, **opts)
-    # the follower's averager process is forked with the patched class; this process is restored at once
-    monkeypatch.setattr(Matchmaking, "_request_join_group", _abandoning_join_request([]))
-    follower = DecentralizedAverager([torch.zeros(300_000)], dht=follower_node, **opts)
-    monkeypatch.undo()
+    leader_class = DecentralizedAverager
+    if named:  # the leader names the groupmates that never learnt of its group, as the swarm's averagers do
+        leader_class = type("DecentralizedAverager", (allreduce.NamesStrangers, DecentralizedAverager), {})
+    with _hivemind(dropped):
+        leader = leader_class([torch.ones(300_000)], dht=leader_node, **opts)
+        # the follower's averager process is forked with the abandoning request; this process is restored
+        monkeypatch.setattr(Matchmaking, "_request_join_group", _abandoning_join_request([]))
+        follower = DecentralizedAverager([torch.zeros(300_000)], dht=follower_node, **opts)
+        monkeypatch.undo()
+
+    def leader_declared() -> bool:
+        found = follower_node.get(f"{prefix}.0b", latest=True)  # hivemind's group key, no group bits
+        entry = found.value.get(leader.peer_id.to_bytes()) if found is not None else None
+        return entry is not None and entry.value is True
+
     try:
-        for averager in (leader, follower):
-            matchmaking.set_target_group_size(averager, 2, {})
         first = leader.step(wait=False, timeout=MATCHMAKING + 10)
-        time.sleep(0.3)  # the leader declared first, so the follower asks it
+        # the leader declared first (the earlier expiration), so the follower asks it
+        assert wait_until(leader_declared, timeout=10, interval=0.02)
+        began = time.perf_counter()  # before the follower can join: the leader's all-reduce begins later
         lagging = follower.step(wait=False, timeout=MATCHMAKING + 10)
-        began = time.perf_counter()
         gathered = first.result(timeout=MATCHMAKING + 15)
         spent = time.perf_counter() - began
+        if not dropped:
+            # the leader gave up on its group after allreduce_timeout ("received 50.0% of input tensors",
+            # "caught MatchmakingException('Unable to run All-Reduce: '), retrying"), and only its step's
+            # retry, within the step's timeout here, averaged the two in a new group
+            assert spent >= PLAIN_ALLREDUCE_TIMEOUT, spent
+            assert len(gathered) == 2 and len(lagging.result(timeout=MATCHMAKING + 15)) == 2
+            return
         assert spent < MATCHMAKING - 10, spent  # before sender_timeout: the follower was dropped, not awaited
-        # the result names the follower a stranger, and holds only the peers that took part
-        assert gathered.strangers == {follower.peer_id} and list(gathered) == [leader.peer_id], gathered
         with leader.get_tensors() as (got,):
             assert torch.equal(got, torch.ones(300_000))  # nothing averaged in: the follower sent nothing
+        if named:
+            # the result names the follower a stranger, and holds only the peers that took part
+            assert gathered.strangers == {follower.peer_id} and list(gathered) == [leader.peer_id], gathered
+        else:
+            # hivemind's result: the group as matchmaking made it, the follower as if it had taken part
+            assert type(gathered) is dict and set(gathered) == {leader.peer_id, follower.peer_id}, gathered
         second = leader.step(wait=False, timeout=MATCHMAKING + 10)
         gathered = second.result(timeout=MATCHMAKING + 15)
         assert len(gathered) == 2 and not getattr(gathered, "strangers", ()), gathered

@@ -2,31 +2,111 @@
 
 from __future__ import annotations
 
+import time
+from functools import partial
+
+import hivemind
+import pytest
 import torch
+from hivemind.optim.grad_averager import GradientAverager
+from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.utils.crypto import RSAPrivateKey
 
-from tests.patches.common import _optimizer_beside_a_progress_only_peer
+from swarm import patches
+from swarm.patches import grad_averager
+from swarm.waiting import wait_until
+from tests.conftest import _dht_nodes
+
+FAST_READS = dict(min_refresh_period=0.1, max_refresh_period=0.5, default_refresh_period=0.2)
+# B's own key, the same in both variants: a DHT node signs with the first key a tracker gave it
+KEY_B = RSAPrivateKey()
 
 
-def test_failed_round_steps_on_own_gradient_not_zeros(dhts):
-    """Peer A's swarm has a second peer B that reports progress but never averages: A's gradient round fails,
-    and hivemind.Optimizer proceeds with local gradients. The SGD step (lr 1, no momentum) must move A's
-    parameters by A's own mean gradient; hivemind's own averager moved them by zero."""
-    (node_a,) = dhts(1)
+@pytest.fixture(scope="module")
+def nodes():
+    """``nodes(n)``: n of the DHT nodes shared by this module's tests, started before the first. No patch of
+    swarm/patches changes a DHT process, so each test installs the patches, or not, around what it builds."""
+    nodes_of = _dht_nodes(time.time())
+    started = next(nodes_of)
+    started(2)
+    yield started
+    next(nodes_of, None)  # shuts them down
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["plain hivemind", "patched"])
+def test_a_failed_round_steps_on_the_peers_own_gradient_not_on_zeros(patched, nodes):
+    """Item 2. Peer A (a hivemind.Optimizer, SGD lr 1, no momentum) counts a second peer B, which reports
+    progress but never averages (a peer that is busy or stuck): A's gradient round fails ("could not find a
+    group"), and hivemind.Optimizer proceeds with local gradients. hivemind's GradientAverager.step zeroed the
+    accumulators before that round (optim/grad_averager.py:197-198, ``reset_accumulated_grads_``), and
+    ``_load_local_gradients_into_optimizer`` (optim/optimizer.py:632-639) loads those zeros: with plain
+    hivemind the parameters do not move at all. The swarm's round averager loads A's own mean gradient of the
+    round instead: SGD moves the parameters by exactly that gradient."""
+    node_a, node_b = nodes(2)
+    run = f"pytest-rounds-fail-{patched}"  # the nodes keep the other variant's records
+    factory = partial(GradientAverager, request_timeout=0.5)
     torch.manual_seed(0)
     net = torch.nn.Linear(4, 3)
     before = [p.detach().clone() for p in net.parameters()]
-    with _optimizer_beside_a_progress_only_peer(node_a, net) as opt_a:
+    # B signs its records with a key of its own (by default every tracker of a process signs with one key)
+    tracker_b = ProgressTracker(node_b, run, 8, private_key=KEY_B, start=True)
+    try:
+        with patches.installed() if patched else patches.plain_hivemind():
+            opt = _hivemind_optimizer(
+                node_a, run, net, grad_averager.round_averager(factory) if patched else factory
+            )
+    except BaseException:
+        tracker_b.shutdown()
+        raise
+    fallbacks = []
+    load_local = opt._load_local_gradients_into_optimizer
+    opt._load_local_gradients_into_optimizer = lambda: fallbacks.append(True) or load_local()
+    try:
+        tracker_b.report_local_progress(0, 1)
+
+        def both_seen() -> bool:
+            opt.tracker.report_local_progress(0, 1)  # a tracker reports once it has samples
+            return opt.tracker.global_progress.num_peers == 2
+
+        assert wait_until(both_seen, timeout=30), opt.tracker.global_progress
         grads = []
-        for step in range(4):  # the round ends once A and B have 8 samples (or hivemind's ETA says so)
+        for step in range(4):  # the epoch ends once A and B have 8 samples (or hivemind's ETA says so)
             x = torch.randn(4, 4, generator=torch.Generator().manual_seed(step))
             net.zero_grad()
             net(x).pow(2).sum().backward()
             grads.append([p.grad.detach().clone() for p in net.parameters()])
-            opt_a.step()
-            if opt_a.local_epoch == 1:
+            opt.step()
+            if opt.local_epoch == 1:
                 break
-        assert opt_a.local_epoch == 1
-        assert opt_a.grad_averager.local_fallbacks == 1
+        assert opt.local_epoch == 1
+        assert fallbacks == [True]  # the round failed, and hivemind proceeded with local gradients once
+        if not patched:
+            for p, b in zip(net.parameters(), before, strict=True):
+                assert torch.equal(p.detach(), b)  # stepped on zeros
+            return
+        assert opt.grad_averager.local_fallbacks == 1
         own = [sum(g) / len(grads) for g in zip(*grads, strict=True)]
         for p, b, g in zip(net.parameters(), before, own, strict=True):
             torch.testing.assert_close(p.detach(), b - g, rtol=1e-5, atol=1e-6)
+    finally:
+        opt.shutdown()
+        tracker_b.shutdown()
+
+
+def _hivemind_optimizer(node, run: str, net: torch.nn.Module, factory) -> hivemind.Optimizer:
+    """A hivemind.Optimizer (SGD, lr 1) whose rounds fail within 1.5 s when nobody joins, reading the swarm's
+    progress every few tenths of a second; no state rounds (only gradients matter here)."""
+    return hivemind.Optimizer(
+        dht=node,
+        run_id=run,
+        params=net.parameters(),
+        optimizer=partial(torch.optim.SGD, lr=1.0),
+        target_batch_size=8,
+        batch_size_per_step=4,
+        matchmaking_time=1.0,
+        averaging_timeout=1.5,
+        average_state_every=1000,
+        averager_opts={"request_timeout": 0.5},
+        tracker_opts=FAST_READS,
+        grad_averager_factory=factory,
+    )

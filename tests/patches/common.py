@@ -3,13 +3,10 @@ states of mixed sizes, screened gradient rounds."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from contextlib import contextmanager
 from functools import partial
 from types import SimpleNamespace
 
-import hivemind
 import torch
 from hivemind.compression import CompressionInfo, TensorRole
 from hivemind.optim.grad_averager import GradientAverager
@@ -18,65 +15,8 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from swarm.averaging.screen import RoundScreen
 from swarm.patches import allreduce, grad_averager, matchmaking, progress, state_averager
 from swarm.patches import optimizer as wiring
-from swarm.procs import start_group, stop_group
-from swarm.waiting import wait_until
-
-PROGRESS_ONLY = """
-import sys, time, hivemind
-from hivemind.optim.progress_tracker import ProgressTracker
-run_id, epoch = sys.argv[1], int(sys.argv[2])
-dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=sys.argv[3:])
-tracker = ProgressTracker(dht, run_id, target_batch_size=8, start=True)
-tracker.report_local_progress(epoch, 1)
-while True:
-    time.sleep(1)
-"""
-
 
 MATCHMAKING = 30.0  # far longer than any test waits: a round that finishes sooner closed its group early
-
-
-@contextmanager
-def _optimizer_beside_a_progress_only_peer(node: hivemind.DHT, net: torch.nn.Module):
-    """A hivemind.Optimizer on ``node`` (SGD, lr 1) with the swarm's round averager, and a second peer B that
-    only announces progress, as a peer that is busy or stuck would: A counts two peers, so it tries to average
-    with B. B is another process because progress records are signed with a process-wide key."""
-    opt = hivemind.Optimizer(
-        dht=node,
-        run_id="pytest-rounds-fail",
-        params=net.parameters(),
-        optimizer=partial(torch.optim.SGD, lr=1.0),
-        target_batch_size=8,
-        batch_size_per_step=4,
-        matchmaking_time=2.0,
-        averaging_timeout=4.0,
-        averager_opts={"request_timeout": 1.5},
-        grad_averager_factory=grad_averager.round_averager(partial(GradientAverager, request_timeout=1.5)),
-    )
-    peer_b = _progress_only_peer(node, "pytest-rounds-fail", 0)
-    try:
-
-        def both_seen() -> bool:
-            opt.tracker.report_local_progress(0, 1)  # a tracker reports once it has samples
-            return opt.tracker.global_progress.num_peers >= 2
-
-        wait_until(both_seen, timeout=60)
-        assert opt.tracker.global_progress.num_peers == 2, peer_b.poll()
-        yield opt
-    finally:
-        stop_group(peer_b, grace=10.0)
-        opt.shutdown()
-
-
-def _progress_only_peer(node: hivemind.DHT, run_id: str, epoch: int) -> subprocess.Popen:
-    """A peer of ``run_id`` (another process: progress records are signed with a process-wide key) that only
-    announces progress at ``epoch``, as one that is busy or stuck would."""
-    return start_group(
-        [sys.executable, "-c", PROGRESS_ONLY, run_id, str(epoch), *map(str, node.get_visible_maddrs())],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
 
 
 def _state_averagers(nodes: list, nets: list, prefix: str, **options) -> list:

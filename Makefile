@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PEERS ?= 3
 
-.PHONY: demo test test-slow install clean
+.PHONY: demo test test-slow test-upstream install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,11 +28,18 @@ test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" --junitxml=$(REPORT)
 	@test -s $(REPORT) || { echo "pytest stopped before its summary: a test ended the session early"; exit 1; }
 
-# the long fault tests (peers killed at three moments, churn): about 10 minutes more
+# the long fault tests (peers killed at three moments, churn): about 10 minutes more; then hivemind's own
+# tests with our patches (test-upstream)
 test-slow: $(STAMP)
 	rm -f $(REPORT)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -s -m slow --junitxml=$(REPORT)
 	@test -s $(REPORT) || { echo "pytest stopped before its summary: a test ended the session early"; exit 1; }
+	$(MAKE) test-upstream
+
+# hivemind's own tests of the averager, the all-reduce and the optimizer, with swarm.patches installed
+# (tests/upstream/: downloads hivemind's sdist from PyPI into .cache/ once): 6 to 10 minutes
+test-upstream: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m tests.upstream.run
 
 clean:
 	rm -rf $(VENV) runs *.egg-info

@@ -15,11 +15,12 @@ with "could not find a group" (item 8). The groupmates that ran the round then g
 while the one that never learnt of it looks for the next gradient group: each waits for the other in a
 different averager (item 11).
 
-**What this changes.** :class:`PacksParts` averages one buffer per dtype and role. :func:`install` answers a
-part of an unknown group with ``BAD_GROUP_ID`` after ``request_timeout``, drops a groupmate whose reducer
-failed before it sent anything, and names those that answered ``BAD_GROUP_ID`` (strangers) in the round's
-result, a :class:`Gathered` (:class:`NamesStrangers`), so that the optimizer can meet them in the next
-gradient round (swarm/patches/optimizer.py).
+**What this changes.** :class:`PacksParts` averages one buffer per dtype and role. The patch answers a part
+of an unknown group with ``BAD_GROUP_ID`` after ``request_timeout`` (a part of the group this averager
+assembled and whose trigger it awaits, in a pre-scheduled round, waits as in hivemind), drops a groupmate
+whose reducer failed before it sent anything, and names those that answered ``BAD_GROUP_ID`` (strangers) in
+the round's result, a :class:`Gathered` (:class:`NamesStrangers`), so that the optimizer can meet them in the
+next gradient round (swarm/patches/optimizer.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from swarm.patches._registry import Patch
 
 _STRANGERS = "_swarm_strangers"  # attribute of one round's AllReduceRunner (ours: set in our own wrapper)
+_ASSEMBLED = "_swarm_assembled"  # attribute of an averager's Matchmaking: the group it assembled last
 
 
 class Gathered(dict):
@@ -121,11 +123,13 @@ def _targets() -> list[tuple[Any, str, Any]]:
         (item 8). Runs in the averager process."""
         request = await anext(stream)
         if request.group_id not in self._running_groups:
-            # hivemind waits here without a limit, for a leader's answer that is still on its way
+            # hivemind waits here without a limit, for a leader's answer that is still on its way. A group
+            # this averager has assembled and whose trigger it awaits (a pre-scheduled round, averager.py
+            # _step) is known, and registers once triggered: that one is waited for as hivemind does
+            known = request.group_id == getattr(self._matchmaking, _ASSEMBLED, None)
+            limit = None if known else self._matchmaking.request_timeout
             try:
-                await asyncio.wait_for(
-                    self._pending_groups_registered.wait(), self._matchmaking.request_timeout
-                )
+                await asyncio.wait_for(self._pending_groups_registered.wait(), limit)
             except TimeoutError:
                 pass
         future = self._running_groups.get(request.group_id)
@@ -153,9 +157,21 @@ def _targets() -> list[tuple[Any, str, Any]]:
                 await self._ban_sender(peer_id)
             raise
 
+    from hivemind.averaging.matchmaking import Matchmaking
+
+    look_for_group = Matchmaking.look_for_group
+
+    async def _look_for_group_noting(self: Any, step: Any) -> Any:
+        """hivemind's ``Matchmaking.look_for_group``, noting the id of the group it assembled (item 8: the
+        averager's trigger may come later, and parts of that group must wait for it)."""
+        group_info = await look_for_group(self, step)
+        setattr(self, _ASSEMBLED, None if group_info is None else group_info.group_id)
+        return group_info
+
     return [
         (DecentralizedAverager, "rpc_aggregate_part", _rpc_aggregate_part),
         (AllReduceRunner, "_communicate_with_peer", _communicate_with_peer),
+        (Matchmaking, "look_for_group", _look_for_group_noting),
     ]
 
 

@@ -196,10 +196,10 @@ class _SettledState:
             opt_before = [t.clone() for t in opt_before]
             hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         epoch = self.local_epoch
+        self._swarm_own_hyper = hyper  # put back before hivemind's scheduler catches up (_update_scheduler)
         result = super().load_state_from_peers(**kwargs)
         with torch.no_grad(), self.lock_averaged_tensors:
-            for group, own in zip(self.optimizer.param_groups, hyper, strict=True):
-                group.update(own)
+            self._restore_own_hyper()  # a download that ended before the scheduler's catch-up
             after = list(self._local_tensors())
             _, opt_after = dump_optimizer_state(self.optimizer)
             loaded = self.local_epoch != epoch or _changed(before, after) or _changed(opt_before, opt_after)
@@ -214,8 +214,9 @@ class _SettledState:
             )
             if reason is not None:
                 load_optimizer_state(self.optimizer, opt_metadata, opt_before)
-                for group, own in zip(self.optimizer.param_groups, hyper, strict=True):
-                    group.update(own)
+                self._swarm_own_hyper = hyper
+                self._restore_own_hyper()
+                self._update_scheduler()  # the peer takes the newer epoch: its schedule's rates, if any
                 for mine, now in zip(before, self._local_tensors(), strict=True):
                     now.copy_(mine)
         if reason is not None:
@@ -223,6 +224,19 @@ class _SettledState:
                 self._load_local_tensors_into_averager_()
             self.on_rejected("download", reason, 0)
         return result
+
+    def _restore_own_hyper(self: Any) -> None:
+        """This peer's own hyperparameters back into the optimizer after a download (once per download)."""
+        own = self.__dict__.pop("_swarm_own_hyper", None)
+        for group, values in zip(self.optimizer.param_groups, own or (), strict=False):
+            group.update(values)
+
+    def _update_scheduler(self: Any) -> None:
+        """hivemind's catch-up of its own scheduler (if given one) at the end of a download
+        (state_averager.py:697-698), after this peer's own hyperparameters are back: the schedule then sets
+        the rate of the downloaded epoch, as in hivemind."""
+        self._restore_own_hyper()
+        super()._update_scheduler()
 
     async def _aggregate_with_group(self: Any, group_info: Any, *args: Any, **kwargs: Any) -> Any:
         """hivemind's averaging round, with the groupmates' epochs made safe for ``sync_epoch_when_averaging``

@@ -173,3 +173,57 @@ def test_a_groupmate_that_never_joins_is_dropped_named_and_met_in_the_next_round
     finally:
         for averager in (leader, follower):
             averager.shutdown()
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["plain hivemind", "patched"])
+def test_a_groupmate_that_awaits_its_trigger_is_not_taken_for_a_stranger(nodes, patched):
+    """Item 8's bound on the wait for an unknown group must not cut off a groupmate that knows the group: in a
+    pre-scheduled round (hivemind.Optimizer's ``schedule_step``, ``require_trigger``) a peer assembles its
+    group and then awaits its own trigger before it registers the group (averaging/averager.py:427-431 and
+    455), while groupmates triggered earlier already send it their parts. Here peer 1 is triggered 3 times
+    ``request_timeout`` after peers 0 and 2 began their all-reduce: hivemind holds their parts until the
+    group registers, and every peer averages; so must the patched averagers (they once answered
+    ``BAD_GROUP_ID`` after ``request_timeout``, and peers 0 and 2 kept their own tensors)."""
+    from hivemind.averaging.control import AveragingStage
+    from hivemind.utils import get_dht_time
+
+    request_timeout = 0.3
+    values = [1.0, 10.0, 100.0]
+    with _hivemind(patched):
+        group = [
+            DecentralizedAverager(
+                [torch.full((30_000,), v)],
+                dht=node,
+                prefix=f"pytest-trigger-{patched}",
+                min_matchmaking_time=0.5,
+                request_timeout=request_timeout,
+                target_group_size=3,
+                start=True,
+            )
+            for v, node in zip(values, nodes(3), strict=True)
+        ]
+        try:
+            begin = get_dht_time() + 0.5
+            controls = [
+                a.step(wait=False, scheduled_time=begin, require_trigger=i == 1, timeout=60)
+                for i, a in enumerate(group)
+            ]
+            assert wait_until(
+                lambda: (
+                    controls[1].stage == AveragingStage.AWAITING_TRIGGER
+                    and controls[0].stage == controls[2].stage == AveragingStage.RUNNING_ALLREDUCE
+                ),
+                timeout=30,
+                interval=0.01,
+            ), [c.stage for c in controls]
+            time.sleep(3 * request_timeout)  # the scenario: the trigger comes later than request_timeout
+            controls[1].allow_allreduce()
+            results = [c.result(timeout=60) for c in controls]
+            assert all(len(r) == 3 for r in results), results
+            assert not any(getattr(r, "strangers", ()) for r in results), results
+            for averager in group:
+                with averager.get_tensors() as (got,):
+                    torch.testing.assert_close(got, torch.full((30_000,), sum(values) / 3))
+        finally:
+            for averager in group:
+                averager.shutdown()

@@ -74,7 +74,7 @@ def _exit_quietly(code: int = 0) -> None:
     sys.stderr.flush()
     if "pytest" in sys.modules:
         # a command run in-process by a test (click's CliRunner): os._exit would end the whole test session
-        # with this code, 0 included, and a truncated run would read as a pass (it did, 2026-11-24)
+        # with this code, 0 included, and a truncated run would read as a pass (it did once)
         raise SystemExit(code)
     os._exit(code)
 

@@ -16,13 +16,13 @@ def run(bench: Bench, opts: Options, target: int = 128, batch: int = 32) -> None
     the final parameters on the whole validation set, mean and standard deviation over the seeds."""
     # 16384 samples (128 epochs of 128, 11 passes over the digits): both reach about 0.91, where seeds differ
     # by 2 to 3 points. At 4096 (32 epochs) both were near 0.7 with seeds 4 to 11 points apart, and the
-    # difference of the means could not tell 1 point from noise (2026-11-25: +2.8 +- 7.8 points)
+    # difference of the means could not tell 1 point from noise (+2.8 +- 7.8 points in one run)
     epochs = max(2, (opts.samples or 16384) // target)
     stamp = int(time.time())
     shared = ["--target-batch-size", str(target), "--max-epochs", str(epochs)]
     # the learning rate's cosine ends with the run, as in the demo config (which ends it at its 160 epochs):
     # with the demo's schedule of 155 epochs a 32-epoch run ended near the peak learning rate, and its final
-    # accuracy was a snapshot of a noisy phase (sd 4 to 11 points between seeds, 2026-11-25)
+    # accuracy was a snapshot of a noisy phase (sd 4 to 11 points between seeds)
     warmup = build_config("demo").train.warmup_epochs
     schedule = {"SWARM_SCHEDULE_EPOCHS": str(max(1, epochs - warmup))}
     swarm_accs, single_accs, computed = [], [], []
@@ -95,7 +95,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
         if r["swarm_val_acc"] is None or r["single_val_acc"] is None:
             return "-"
         text = f"{100 * (r['swarm_val_acc'] - r['single_val_acc']):+.1f} points"
-        if r.get("paired_difference_sem") is not None:  # rows from 2026-11-25 on
+        if r.get("paired_difference_sem") is not None:  # rows that carry the paired difference
             paired, sem = 100 * r["paired_difference"], 100 * r["paired_difference_sem"]
             text += f" (per seed {paired:+.1f} +- {sem:.1f})"
         return text

@@ -16,7 +16,7 @@ accumulated ``target_batch_size`` samples, or until hivemind's estimate of when 
 (a peer that died is not waited for), or until its round's group has formed: a peer looks for a group only
 once its inner phase is over (:func:`group_formed`), so a formed group has every member's pseudo-gradient
 and the peer need not wait for its own reads of the swarm's progress to show the others done (in a 2-peer
-run on 2 cores, 2026-11-25, that wait was 51 ms of the 113 ms that ended each outer round). If the swarm is
+run on 2 cores that wait was 51 ms of the 113 ms that ended each outer round). If the swarm is
 ready before this peer has done its local steps, it joins the round early rather than miss it. While it
 waits it reads the swarm's progress every ``WAITING_READS_EVERY`` (50 ms).
 """
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 INNER_KEYS = ("step", "exp_avg", "exp_avg_sq")
 # While a peer waits for the swarm after its inner steps it reads the swarm's progress this often (seconds),
 # not every min_refresh_period (0.5 s): the read that shows the others done ended most outer rounds. In 3
-# alternating pairs of 2-peer runs (H=50, 25 outer rounds, 2026-11-25 20:00) 7666 samples/s against 6209 at
+# alternating pairs of 2-peer runs (H=50, 25 outer rounds) 7666 samples/s against 6209 at
 # 0.5 s, median round end 0.10 s against 0.175 s; 0.02 s gave 7926 against 7842 at 0.05 (the noise), for
 # more than twice the reads. A waiting peer has nothing to compute, so the reads cost the swarm little.
 WAITING_READS_EVERY = 0.05

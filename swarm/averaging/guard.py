@@ -8,7 +8,7 @@ after every good global epoch. Two checks use it:
   averaging round that follows sends finite numbers. With DiLoCo the local optimizer steps at every inner
   step and the swarm sees nothing until the outer step, so the check runs once, just before it
   (``each_step=False``, :meth:`undo_nonfinite_update`): at every inner step it took 7 % of a peer's main
-  thread (2 peers, 2 cores, H=50, py-spy, 2026-11-25);
+  thread (2 peers, 2 cores, H=50, py-spy);
 - after the whole global step (averaging included), through :meth:`check`: if the parameters are
   non-finite (a bad averaging result), the caller rolls back and reloads the swarm's state from peers.
 

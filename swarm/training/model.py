@@ -334,7 +334,7 @@ def cheap_cuda_checks(device: str) -> None:
     every call first tries to load NVML, fails, and only then asks CUDA, uncached (torch/cuda/__init__.py,
     ``device_count``). AdamW asks at every step (torch/optim/optimizer.py,
     ``_accelerator_graph_capture_health_check``): 3 % of a DiLoCo peer's main thread, whose inner AdamW steps
-    at every local step (py-spy, 2 peers on 2 cores, 2026-11-25). Where a GPU is present the variable stays:
+    at every local step (py-spy, 2 peers on 2 cores). Where a GPU is present the variable stays:
     it keeps the process from initialising CUDA before hivemind forks its helpers."""
     if device == "cpu" and torch.cuda.device_count() == 0:  # NVML's count: initialises nothing
         os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)

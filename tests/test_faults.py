@@ -169,7 +169,7 @@ def test_a_groupmate_that_never_learnt_of_the_group_is_met_in_the_next_round(pee
     print(f"\nrounds that met a stranger: {met}; each peer's slowest round: {slowest}")
     # The fault names the follower once. A follower starved for longer than request_timeout (1.5 s in the
     # demo config) does the same thing on its own on a busy machine: a fresh-clone suite saw a second such
-    # round 7 epochs after the fault (2026-11-24). Every one of them must skip its state round and be
+    # round 7 epochs after the fault. Every one of them must skip its state round and be
     # followed by a round that the follower averaged with the leader, which is what item 11 promises.
     # The follower's next round is found by time, not by number: a follower that was two epochs behind
     # when it was named (a newcomer still catching up: 160 against the leader's 161) numbers the round in

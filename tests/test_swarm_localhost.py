@@ -79,7 +79,7 @@ def test_peers_train_together(peers, tmp_path):
         ports.append(port_of(p.join_address(timeout=120)))
     # the late joiner arrives once the swarm has made progress: peer1 at global epoch 3 or later. Not "3 to
     # 19": a peer that starts after the others loads their state and logs its first line at their epoch (in a
-    # fresh-clone suite of 2026-11-25 peer1 loaded epoch 8, and its lines, once a second, skipped 3 to 19)
+    # fresh-clone suite peer1 loaded epoch 8, and its lines, once a second, skipped 3 to 19)
     trainers[0].wait_for(r"\| epoch ([3-9]|[1-9]\d+) \|", timeout=240)
     late = start_peer(4)
     ports.append(port_of(late.join_address(timeout=120)))

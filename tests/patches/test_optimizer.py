@@ -243,7 +243,7 @@ def test_a_diloco_peer_after_one_inner_step_accepts_the_mean_of_peers_that_took_
     pseudo-gradient is 16 times A's, and the mean weighted by samples (1 and 16 batches) is 257/17 = 15.1
     times A's own, past the screen's 10x. Scaled by H / steps taken (DiLoCo.pseudo_gradient_scale), A
     accepts that honest mean; B 10,000 times too large is still rejected. Without the scale A rejected the
-    first round (seen in the DiLoCo test's summaries, 2026-11-25: ``rejected: ['gradient']``)."""
+    first round (seen in the DiLoCo test's summaries: ``rejected: ['gradient']``)."""
     inner = torch.optim.AdamW(torch.nn.Linear(4, 3).parameters())
     diloco = DiLoCo(inner, local_steps=16, outer_lr=0.7, outer_momentum=0.9)
     diloco.steps = 1

@@ -28,8 +28,9 @@ test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" --junitxml=$(REPORT)
 	@test -s $(REPORT) || { echo "pytest stopped before its summary: a test ended the session early"; exit 1; }
 
-# the long fault tests (peers killed at three moments, churn): about 10 minutes more; then hivemind's own
-# tests with our patches (test-upstream)
+# the longer fault and benchmark runs (peers killed at three moments, the entry peer's death, churn, an
+# attacker, a groupmate that never learnt of its group, a killed FSDP rank, the wan bench): about 15 minutes;
+# then hivemind's own tests with our patches (test-upstream)
 test-slow: $(STAMP)
 	rm -f $(REPORT)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -s -m slow --junitxml=$(REPORT)

@@ -25,17 +25,23 @@ def _one_thread():
 
 
 @pytest.fixture
-def peers(request):
+def peers(request, tmp_path):
     """Registry of PeerProcess objects; every one is stopped (its whole group) when the test ends.
 
-    After stopping, the fixture fails the test if any process of those groups or any hivemind socket
-    file created during the test is still there; it removes them either way.
+    Each process's whole output is kept in ``<tmp_path>/output/<name>.log`` (pytest keeps the last three
+    runs' temporary directories), since a failure message shows only its tail. After stopping, the fixture
+    fails the test if any process of those groups or any hivemind socket file created during the test is
+    still there; it removes them either way.
     """
     started = time.time()
     registry: list[PeerProcess] = []
     yield registry
     for peer in reversed(registry):
         peer.stop(grace=15.0)
+    kept = tmp_path / "output"
+    kept.mkdir(exist_ok=True)
+    for peer in registry:
+        (kept / f"{peer.name}.log").write_text(peer.output())
     leftovers = {p.name: group_members(p.pgid) for p in registry if group_members(p.pgid)}
     sockets = stale_sockets(since=started)
     remove_stale_sockets(since=started)

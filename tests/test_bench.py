@@ -114,6 +114,7 @@ def _send_through(lab, megabytes: float) -> float:
         srv.wait()
 
 
+@pytest.mark.slow  # a benchmark run (about a minute)
 @pytest.mark.skipif(_wan_unavailable() is not None, reason=f"wan: {_wan_unavailable()}")
 def test_wan_links_are_shaped_and_peers_train_across_them(tmp_path):
     from peer.bench import wan

@@ -162,7 +162,8 @@ def test_fsdp_on_cpu_shards_and_saves_a_plain_checkpoint(peers, loopback, tmp_pa
     assert best["optimizer"] is None  # FSDP's optimizer state stays sharded; weights are whole
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+# the FSDP variant (30 s more) runs in `make test-slow`
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_a_killed_rank_under_torchrun_resumes_from_the_snapshot(peers, loopback, tmp_path, strategy):
     """torchrun --max-restarts=1: rank 1 is SIGKILLed at global epoch 5 (a lost machine); torchrun restarts
     both ranks, which resume from the snapshot of epoch 4 (model, AdamW, scheduler, loops, the reporter's

@@ -138,6 +138,7 @@ def test_faulty_peer_never_shares_nonfinite_numbers_and_a_mismatched_newcomer_is
 VAL_IMAGES = 359  # the demo's validation split of the digits set
 
 
+@pytest.mark.slow  # 50 s; tests/patches/test_allreduce.py shows items 8 and 11 on plain hivemind and patched
 def test_a_groupmate_that_never_learnt_of_the_group_is_met_in_the_next_round(peers, tmp_path):
     """A follower gives up on its leader before the answer (``abandon:join``, as a starved process does),
     while the leader has taken it in (docs/hivemind-patches.md items 8 and 11). The leader drops it from the
@@ -202,6 +203,7 @@ def _val_accs(peer: PeerProcess) -> list[tuple[int, float]]:
     return [(int(m.group(1)), float(m.group(2))) for m in found if m]
 
 
+@pytest.mark.slow  # 60 s; tests/patches/test_optimizer.py shows the screen reject such a round in-process
 def test_an_attacker_sending_outsized_gradients_cannot_poison_the_swarm(peers, tmp_path):
     """An invited peer (this project's own code, --inject-fault big_grad) sends gradients 10,000 times too
     large and pointing uphill from its second global epoch on. Without the screen such a peer took an honest

@@ -34,8 +34,8 @@ from tests.helpers import PeerProcess, plain_timm_model, read_summary
 EVALUATED = r"Swarm model at global epoch (\d+): val acc ([\d.]+)"  # the monitor's evaluation line
 
 RUN_ID = "pytest-monitor"
-# the swarm must outlive the kill, `status` and the restart: on a 2-core machine (3 peers, about 1 s per global
-# epoch) the restarted monitor was up at global epoch 50 to 75, about 40 s after the kill at epoch 5
+# the swarm must outlive the kill, `status` and the restart: on a 2-core machine (3 peers, about 1 s per
+# global epoch) the restarted monitor was up at global epoch 50 to 75, about 40 s after the kill at epoch 5
 MAX_EPOCHS = 120
 FORGED_SPS = 1e6
 REJECTED = "Ignoring a DHT record that fails its signature or schema check"

@@ -7,16 +7,25 @@ from contextlib import contextmanager
 from functools import partial
 from types import SimpleNamespace
 
+import pytest
 import torch
 from hivemind.compression import CompressionInfo, TensorRole
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 
+from swarm import patches
 from swarm.averaging.screen import RoundScreen
 from swarm.patches import allreduce, grad_averager, matchmaking, progress, state_averager
 from swarm.patches import optimizer as wiring
 
 MATCHMAKING = 30.0  # far longer than any test waits: a round that finishes sooner closed its group early
+# every scenario runs twice: on hivemind as it is, and with the change
+PLAIN_OR_PATCHED = pytest.mark.parametrize("patched", [False, True], ids=["plain hivemind", "patched"])
+
+
+def hivemind_as(patched: bool, *names: str):
+    """Every process-wide change (or those ``names``) installed if ``patched``, else hivemind as it is."""
+    return patches.installed(*names) if patched else patches.plain_hivemind()
 
 
 def _state_averagers(nodes: list, nets: list, prefix: str, **options) -> list:
@@ -73,7 +82,7 @@ def _gradients(net: torch.nn.Module, scale: float, seed: int) -> list[torch.Tens
 
 
 @contextmanager
-def _screened_gradient_pair(dhts, prefix: str, own_scale=None):
+def _screened_gradient_pair(dhts, prefix: str, own_scale=None, request_timeout: float = 1.5):
     """A (the swarm's round averager, its screen wired by ``screen_rounds``) and B, whose averager speaks the
     swarm's packed format (docs/hivemind-patches.md item 3) but has no screen, on two real DHT nodes. Yields
     (nets, averagers, opt, screen, rejected, loaded); ``opt`` carries the two attributes of hivemind.Optimizer
@@ -83,7 +92,9 @@ def _screened_gradient_pair(dhts, prefix: str, own_scale=None):
     net_a = torch.nn.Linear(4, 3)
     net_b = torch.nn.Linear(4, 3)
     net_b.load_state_dict(net_a.state_dict())  # the same gradients at the same seed
-    common = dict(prefix=prefix, min_matchmaking_time=MATCHMAKING, request_timeout=1.5, start=True)
+    common = dict(
+        prefix=prefix, min_matchmaking_time=MATCHMAKING, request_timeout=request_timeout, start=True
+    )
     a = grad_averager.keeping_local_gradients(GradientAverager)(
         list(net_a.parameters()), dht=node_a, **common
     )
@@ -129,10 +140,10 @@ def _assert_a_holds(pair, expected: list[torch.Tensor]) -> None:
 
 
 @contextmanager
-def _two_trackers(dhts, run: str, target: int):
+def _two_trackers(dhts, run: str, target: int, patched: bool = True):
     """Progress trackers A and B of run ``run`` on two DHT nodes, each signing with its own key (by default a
-    tracker signs with the process-wide key: one record for both), reads at most a minute apart, item 14
-    installed (as the strategy installs it)."""
+    tracker signs with the process-wide key: one record for both), reads at most a minute apart; with
+    ``patched``, item 14 installed (as swarm.patches.optimizer.wire installs it)."""
     from hivemind.optim.progress_tracker import ProgressTracker
     from hivemind.utils.crypto import RSAPrivateKey
 
@@ -143,7 +154,8 @@ def _two_trackers(dhts, run: str, target: int):
                 node, run, target, max_refresh_period=60.0, private_key=RSAPrivateKey(), start=True
             )
             trackers.append(tracker)
-            progress.read_soon_while_speeds_unknown(tracker)
+            if patched:
+                progress.read_soon_while_speeds_unknown(tracker)
         yield trackers
     finally:
         for tracker in trackers:

@@ -12,31 +12,16 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.partition import TensorPartContainer
 
-from swarm import patches
 from swarm.patches import allreduce
 from swarm.waiting import wait_until
-from tests.conftest import _dht_nodes
-from tests.patches.common import MATCHMAKING, _abandoning_join_request, _state
+from tests.patches.common import MATCHMAKING, PLAIN_OR_PATCHED, _abandoning_join_request, _state, hivemind_as
 
 PLAIN_ALLREDUCE_TIMEOUT = 3.0  # item 8: plain hivemind's leader waits all of it, so short in that variant
 
-
-@pytest.fixture(scope="module")
-def nodes():
-    """``nodes(n)``: n of the DHT nodes shared by this module's tests, started before the first. No patch of
-    swarm/patches changes a DHT process, so each test installs the patches, or not, around what it builds."""
-    nodes_of = _dht_nodes(time.time())
-    started = next(nodes_of)
-    started(3)
-    yield started
-    next(nodes_of, None)  # shuts them down
+NODES = 3  # started before the first test
 
 
-def _hivemind(patched: bool):
-    return patches.installed() if patched else patches.plain_hivemind()
-
-
-@pytest.mark.parametrize("patched", [False, True], ids=["plain hivemind", "patched"])
+@PLAIN_OR_PATCHED
 def test_one_all_reduce_part_per_buffer_not_per_tensor_and_the_average_is_exact(nodes, patched, monkeypatch):
     """Item 3. Three averagers hold a state like the state averager's: 13 tensors of mixed sizes, two dtypes
     and three roles (parameters, optimizer statistics, an extra float64 tensor), each under 512 KiB.
@@ -57,7 +42,7 @@ def test_one_all_reduce_part_per_buffer_not_per_tensor_and_the_average_is_exact(
         containers.put((len(tensors), sum(self.num_parts_by_tensor)))
 
     monkeypatch.setattr(TensorPartContainer, "__init__", counted)
-    with _hivemind(patched):  # the averager processes are forked with the counting container
+    with hivemind_as(patched):  # the averager processes are forked with the counting container
         group = [
             cls(
                 tensors,
@@ -127,7 +112,7 @@ def test_a_groupmate_that_never_joins_is_dropped_named_and_met_in_the_next_round
     leader_class = DecentralizedAverager
     if named:  # the leader names the groupmates that never learnt of its group, as the swarm's averagers do
         leader_class = type("DecentralizedAverager", (allreduce.NamesStrangers, DecentralizedAverager), {})
-    with _hivemind(dropped):
+    with hivemind_as(dropped):
         leader = leader_class([torch.ones(300_000)], dht=leader_node, **opts)
         # the follower's averager process is forked with the abandoning request; this process is restored
         monkeypatch.setattr(Matchmaking, "_request_join_group", _abandoning_join_request([]))
@@ -175,7 +160,7 @@ def test_a_groupmate_that_never_joins_is_dropped_named_and_met_in_the_next_round
             averager.shutdown()
 
 
-@pytest.mark.parametrize("patched", [False, True], ids=["plain hivemind", "patched"])
+@PLAIN_OR_PATCHED
 def test_a_groupmate_that_awaits_its_trigger_is_not_taken_for_a_stranger(nodes, patched):
     """Item 8's bound on the wait for an unknown group must not cut off a groupmate that knows the group: in a
     pre-scheduled round (hivemind.Optimizer's ``schedule_step``, ``require_trigger``) a peer assembles its
@@ -189,7 +174,7 @@ def test_a_groupmate_that_awaits_its_trigger_is_not_taken_for_a_stranger(nodes, 
 
     request_timeout = 0.3
     values = [1.0, 10.0, 100.0]
-    with _hivemind(patched):
+    with hivemind_as(patched):
         group = [
             DecentralizedAverager(
                 [torch.full((30_000,), v)],

@@ -3,8 +3,6 @@ scenario runs on plain hivemind, where it shows the failure (with such a NumPy),
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -12,24 +10,10 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import Uniform8BitQuantization, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
-from swarm import patches
-from tests.conftest import _dht_nodes
-from tests.patches.common import MATCHMAKING
+from tests.patches.common import MATCHMAKING, PLAIN_OR_PATCHED, hivemind_as
 
 # NumPy 2.4 and newer refuse int() of an array with a dimension, even of one element
 NUMPY_REFUSES = tuple(int(part) for part in np.__version__.split(".")[:2]) >= (2, 4)
-VARIANTS = dict(argnames="patched", argvalues=[False, True], ids=["plain hivemind", "patched"])
-
-
-@pytest.fixture(scope="module")
-def nodes():
-    """``nodes(n)``: n of the DHT nodes shared by this module's tests, started before the first. No patch of
-    swarm/patches changes a DHT process, so each test installs the patches, or not, around what it builds."""
-    nodes_of = _dht_nodes(time.time())
-    started = next(nodes_of)
-    started(2)
-    yield started
-    next(nodes_of, None)  # shuts them down
 
 
 def _decoded_by_hand(serialized: runtime_pb2.Tensor) -> torch.Tensor:
@@ -43,7 +27,7 @@ def _decoded_by_hand(serialized: runtime_pb2.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("codec", ["UNIFORM_8BIT", "QUANTILE_8BIT"])
-@pytest.mark.parametrize(**VARIANTS)
+@PLAIN_OR_PATCHED
 def test_8_bit_tensors_decode_with_the_installed_numpy(patched, codec):
     """hivemind's ``Quantization.extract`` (compression/quantization.py:40-41), the decoder of its uniform and
     quantile 8-bit codecs (``--compression int8``), reads the codebook's size with ``int()`` of a one-element
@@ -52,7 +36,7 @@ def test_8_bit_tensors_decode_with_the_installed_numpy(patched, codec):
     an older NumPy it decodes. The patched decoder takes the element explicitly: every number decodes to its
     codebook entry, exactly."""
     tensor = torch.randn(64, 33, generator=torch.Generator().manual_seed(0))
-    with patches.installed("compression") if patched else patches.plain_hivemind():
+    with hivemind_as(patched, "compression"):
         serialized = serialize_torch_tensor(tensor, runtime_pb2.CompressionType.Value(codec))
         if NUMPY_REFUSES and not patched:
             with pytest.raises(
@@ -68,7 +52,7 @@ def test_8_bit_tensors_decode_with_the_installed_numpy(patched, codec):
 
 
 @pytest.mark.skipif(not NUMPY_REFUSES, reason="hivemind's own decoder works with this NumPy")
-@pytest.mark.parametrize(**VARIANTS)
+@PLAIN_OR_PATCHED
 def test_an_8_bit_round_averages(nodes, patched):
     """What the refused decoder does to a round (``--compression int8``): two averagers with hivemind's
     uniform 8-bit codec average one tensor each. With plain hivemind the reducer cannot decode the part it
@@ -77,7 +61,7 @@ def test_an_8_bit_round_averages(nodes, patched):
     both peers: every tensor stays as it was. With the patch both hold the mean, to 8-bit precision."""
     tensors = [torch.randn(20_000, generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
     mean = (tensors[0] + tensors[1]) / 2
-    with patches.installed() if patched else patches.plain_hivemind():
+    with hivemind_as(patched):
         pair = [
             DecentralizedAverager(
                 [tensor.clone()],

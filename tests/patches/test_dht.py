@@ -19,17 +19,16 @@ from multiprocessing import resource_sharer
 from multiprocessing.reduction import ForkingPickler
 
 import hivemind
-import pytest
 
 from swarm.config import SwarmConfig
 from swarm.net.node import start_node
 from swarm.patches.dht import SwarmDHT
 from swarm.procs import remove_stale_sockets
 from swarm.waiting import wait_until
+from tests.patches.common import PLAIN_OR_PATCHED
 
 RUN_ID = "pytest-dht"
 WAIT = 3.0  # hivemind's own wait_timeout of a DHT node (dht/node.py), passed to the plain DHT explicitly
-VARIANTS = dict(argnames="patched", argvalues=[False, True], ids=["plain hivemind", "patched"])
 
 
 @contextmanager
@@ -83,7 +82,7 @@ def _gone_before_the_read(dht: hivemind.DHT) -> None:
     os._exit(0)
 
 
-@pytest.mark.parametrize(**VARIANTS)
+@PLAIN_OR_PATCHED
 def test_the_dht_survives_a_sender_that_exits_while_its_request_is_read(patched, capfd):
     """A sender exits while the DHT process fetches the reply pipe of its request (an averager at Ctrl-C): the
     fetch ends in EOFError, which hivemind's ``DHT.run`` does not catch (dht/dht.py:127-132 catches OSError,
@@ -106,7 +105,7 @@ def test_the_dht_survives_a_sender_that_exits_while_its_request_is_read(patched,
         assert dht.is_alive()
 
 
-@pytest.mark.parametrize(**VARIANTS)
+@PLAIN_OR_PATCHED
 def test_a_request_whose_sender_has_gone_costs_the_dht_no_pause(patched):
     """A sender is gone before the DHT process reads its request: fetching the reply pipe fails with
     FileNotFoundError (an OSError), which hivemind's ``DHT.run`` logs with a traceback and follows with a

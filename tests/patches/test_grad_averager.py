@@ -2,38 +2,24 @@
 
 from __future__ import annotations
 
-import time
 from functools import partial
 
 import hivemind
-import pytest
 import torch
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarm import patches
 from swarm.patches import grad_averager
 from swarm.waiting import wait_until
-from tests.conftest import _dht_nodes
+from tests.patches.common import PLAIN_OR_PATCHED, hivemind_as
 
 FAST_READS = dict(min_refresh_period=0.1, max_refresh_period=0.5, default_refresh_period=0.2)
 # B's own key, the same in both variants: a DHT node signs with the first key a tracker gave it
 KEY_B = RSAPrivateKey()
 
 
-@pytest.fixture(scope="module")
-def nodes():
-    """``nodes(n)``: n of the DHT nodes shared by this module's tests, started before the first. No patch of
-    swarm/patches changes a DHT process, so each test installs the patches, or not, around what it builds."""
-    nodes_of = _dht_nodes(time.time())
-    started = next(nodes_of)
-    started(2)
-    yield started
-    next(nodes_of, None)  # shuts them down
-
-
-@pytest.mark.parametrize("patched", [False, True], ids=["plain hivemind", "patched"])
+@PLAIN_OR_PATCHED
 def test_a_failed_round_steps_on_the_peers_own_gradient_not_on_zeros(patched, nodes):
     """Item 2. Peer A (a hivemind.Optimizer, SGD lr 1, no momentum) counts a second peer B, which reports
     progress but never averages (a peer that is busy or stuck): A's gradient round fails ("could not find a
@@ -51,7 +37,7 @@ def test_a_failed_round_steps_on_the_peers_own_gradient_not_on_zeros(patched, no
     # B signs its records with a key of its own (by default every tracker of a process signs with one key)
     tracker_b = ProgressTracker(node_b, run, 8, private_key=KEY_B, start=True)
     try:
-        with patches.installed() if patched else patches.plain_hivemind():
+        with hivemind_as(patched):
             opt = _hivemind_optimizer(
                 node_a, run, net, grad_averager.round_averager(factory) if patched else factory
             )

@@ -7,36 +7,19 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
 
-from swarm import patches
 from swarm.patches import matchmaking
-from tests.conftest import _dht_nodes
-from tests.patches.common import MATCHMAKING
+from tests.patches.common import MATCHMAKING, PLAIN_OR_PATCHED, hivemind_as
 
 PLAIN_MATCHMAKING = 3.0  # plain hivemind waits all of it: short, so that the plain variant stays cheap
 ALONE = 1.0  # item 20: seconds that peer A looks for a leader with nobody declared
-VARIANTS = dict(argnames="patched", argvalues=[False, True], ids=["plain hivemind", "patched"])
+
+NODES = 3  # started before the first test
 
 
-@pytest.fixture(scope="module")
-def nodes():
-    """``nodes(n)``: n of the DHT nodes shared by this module's tests, started before the first. No patch of
-    swarm/patches changes a DHT process, so each test installs the patches, or not, around what it builds."""
-    nodes_of = _dht_nodes(time.time())
-    started = next(nodes_of)
-    started(3)
-    yield started
-    next(nodes_of, None)  # shuts them down
-
-
-def _hivemind(patched: bool):
-    return patches.installed() if patched else patches.plain_hivemind()
-
-
-@pytest.mark.parametrize(**VARIANTS)
+@PLAIN_OR_PATCHED
 def test_a_group_closes_once_every_live_peer_is_in_it(nodes, patched):
     """Item 1. Three averagers start as the swarm's do, with no target_group_size (the swarm's size is not
     known then, and changes), and all three look for a group at once. hivemind's leader accepts followers
@@ -47,7 +30,7 @@ def test_a_group_closes_once_every_live_peer_is_in_it(nodes, patched):
     ``set_target_group_size(averager, 3)`` sets the size in the running averager process: the round ends
     long before the 30 s matchmaking time."""
     matchmaking_time = MATCHMAKING if patched else PLAIN_MATCHMAKING
-    with _hivemind(patched):
+    with hivemind_as(patched):
         group = [
             DecentralizedAverager(
                 [torch.full((3,), float(i))],
@@ -80,7 +63,7 @@ def test_a_group_closes_once_every_live_peer_is_in_it(nodes, patched):
             averager.shutdown()
 
 
-@pytest.mark.parametrize(**VARIANTS)
+@PLAIN_OR_PATCHED
 def test_a_peer_waiting_for_a_groupmate_reads_the_declared_averagers_at_most_every_leader_reads_every(
     nodes, patched
 ):
@@ -132,7 +115,7 @@ def test_a_peer_waiting_for_a_groupmate_reads_the_declared_averagers_at_most_eve
         await asyncio.gather(updates, return_exceptions=True)
         return leader, found
 
-    with _hivemind(patched):
+    with hivemind_as(patched):
         leader, found = asyncio.run(scenario())
     gaps = [later - earlier for earlier, later in zip(reads[:-1], reads[1:], strict=True)]
     assert leader == b.peer_id

@@ -26,13 +26,20 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.averaging.diloco import DiLoCo
 from swarm.averaging.rounds import RoundClock
-from swarm.averaging.screen import RoundScreen, total_norm
+from swarm.averaging.screen import total_norm
 from swarm.patches import allreduce, grad_averager, matchmaking, progress
 from swarm.patches import optimizer as wiring
 from swarm.waiting import wait_until
-from tests.patches.common import MATCHMAKING, _assert_a_holds, _gradients, _screened_round, _state_averagers
+from tests.patches.common import (
+    MATCHMAKING,
+    PLAIN_OR_PATCHED,
+    _assert_a_holds,
+    _gradients,
+    _screened_round,
+    _state_averagers,
+)
+from tests.patches.common import _screened_gradient_pair as _shared_screened_pair
 
-PLAIN_OR_PATCHED = pytest.mark.parametrize("patched", [False, True], ids=["plain hivemind", "patched"])
 MATCHMAKING_TIME, AVERAGING_TIMEOUT = 0.5, 2.0  # a lone peer's rounds: looking from 0.5 s, failed at 2 s
 # two peers' rounds: a follower waits this long for its leader's answer. Far below MATCHMAKING (the group
 # closes when full), and far above a starved process's pause on a loaded 2-core machine, which would make
@@ -40,37 +47,9 @@ MATCHMAKING_TIME, AVERAGING_TIMEOUT = 0.5, 2.0  # a lone peer's rounds: looking 
 REQUEST_TIMEOUT = 5.0
 
 
-@contextmanager
-def _screened_gradient_pair(dhts, prefix: str, own_scale: Any = None) -> Iterator[tuple]:
-    """tests.patches.common._screened_gradient_pair with REQUEST_TIMEOUT: A (the swarm's round averager, its
-    screen wired by ``screen_rounds``) and B (the swarm's packed format, no screen) on two DHT nodes. Yields
-    (nets, averagers, opt, screen, rejected, loaded) for tests.patches.common._screened_round."""
-    node_a, node_b = dhts(2)
-    torch.manual_seed(0)
-    net_a = torch.nn.Linear(4, 3)
-    net_b = torch.nn.Linear(4, 3)
-    net_b.load_state_dict(net_a.state_dict())  # the same gradients at the same seed
-    common = dict(
-        prefix=prefix, min_matchmaking_time=MATCHMAKING, request_timeout=REQUEST_TIMEOUT, start=True
-    )
-    a = grad_averager.keeping_local_gradients(GradientAverager)(
-        list(net_a.parameters()), dht=node_a, **common
-    )
-    b = allreduce.packing(GradientAverager)(list(net_b.parameters()), dht=node_b, **common)
-    screen, rejected, loaded = RoundScreen(10.0), [], []
-    opt = SimpleNamespace(
-        grad_averager=a,
-        state_averager=SimpleNamespace(),
-        _load_averaged_gradients_into_optimizer_=lambda: loaded.append(True),
-    )
-    wiring.screen_rounds(opt, screen, lambda *args: rejected.append(args), own_scale=own_scale)
-    try:
-        for averager in (a, b):
-            matchmaking.set_target_group_size(averager, 2, {})
-        yield (net_a, net_b), (a, b), opt, screen, rejected, loaded
-    finally:
-        for averager in (a, b):
-            averager.shutdown()
+def _screened_gradient_pair(dhts, prefix: str, own_scale: Any = None):
+    """tests.patches.common._screened_gradient_pair with REQUEST_TIMEOUT."""
+    return _shared_screened_pair(dhts, prefix, own_scale, request_timeout=REQUEST_TIMEOUT)
 
 
 @contextmanager

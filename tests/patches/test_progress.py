@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -18,28 +16,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.patches import progress
 from swarm.waiting import wait_until
-
-PLAIN_OR_PATCHED = pytest.mark.parametrize("patched", [False, True], ids=["plain hivemind", "patched"])
-
-
-@contextmanager
-def _trackers(dhts, run: str, target: int, patched: bool) -> Iterator[list[ProgressTracker]]:
-    """Progress trackers A and B of run ``run`` on two DHT nodes, each signing with its own key (by default a
-    tracker signs with the process-wide key: one record for both), reads at most a minute apart; with
-    ``patched``, item 14's wrapper installed (as swarm.patches.optimizer.wire installs it)."""
-    trackers = []
-    try:
-        for node in dhts(2):
-            tracker = ProgressTracker(
-                node, run, target, max_refresh_period=60.0, private_key=RSAPrivateKey(), start=True
-            )
-            trackers.append(tracker)
-            if patched:
-                progress.read_soon_while_speeds_unknown(tracker)
-        yield trackers
-    finally:
-        for tracker in trackers:
-            tracker.shutdown()
+from tests.patches.common import PLAIN_OR_PATCHED, _two_trackers
 
 
 def _read_now(tracker: ProgressTracker) -> Any:
@@ -188,7 +165,7 @@ def test_peers_that_meet_before_their_first_samples_read_each_others_progress_so
     already knows its own speed, as a peer that has stepped but not yet stored a record with it: hivemind's
     estimate leaves that out."""
     target, stop = 16, threading.Event()
-    with _trackers(dhts, f"pytest-rounds-speedless-{patched}", target, patched) as (a, b):
+    with _two_trackers(dhts, f"pytest-rounds-speedless-{patched}", target, patched) as (a, b):
         assert [_read_now(t).num_peers for t in (a, b)] == [0, 0]  # started together: nobody seen
         a.performance_ema.samples_per_second = 1000.0  # not in A's record, which meet_peers stores
         met: list[int] = []
@@ -228,7 +205,7 @@ def test_a_peer_that_waits_for_the_swarm_reads_its_progress_again_within_min_ref
     waits after its local steps, sees the swarm ready only at that planned read; with ``read_within`` on
     every turn of the wait (and item 14 installed, as the strategy has it) A sees it within seconds."""
     target = 16
-    with _trackers(dhts, f"pytest-rounds-read-within-{patched}", target, patched) as (a, b):
+    with _two_trackers(dhts, f"pytest-rounds-read-within-{patched}", target, patched) as (a, b):
         b.performance_ema.samples_per_second = 0.1
         b.local_progress = b._get_local_progress(0, 1)
         b.should_report_progress.set()  # B's reporter stores the record (it has a sample)
@@ -272,7 +249,7 @@ def test_a_new_epoch_expects_the_swarm_at_the_speed_of_the_last_read(dhts, patch
     (400 / 80) with expect_the_swarm (and item 14, whose reads it uses), where hivemind expects them
     never."""
     target = 400
-    with _trackers(dhts, f"pytest-rounds-expect-{patched}", target, patched=False) as (a, b):
+    with _two_trackers(dhts, f"pytest-rounds-expect-{patched}", target, patched=False) as (a, b):
         for tracker, speed in ((a, 30.0), (b, 50.0)):
             if patched:
                 progress.expect_the_swarm(tracker, progress.read_soon_while_speeds_unknown(tracker))

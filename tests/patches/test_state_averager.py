@@ -22,9 +22,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from swarm.averaging.screen import RoundScreen, total_norm
 from swarm.patches import state_averager
 from swarm.waiting import wait_until
-from tests.patches.common import MATCHMAKING
-
-PATCHED = pytest.mark.parametrize("patched", [False, True], ids=["plain hivemind", "patched"])
+from tests.patches.common import MATCHMAKING, PLAIN_OR_PATCHED
 
 
 def _nodes(request: pytest.FixtureRequest, patched: bool, n: int) -> list:
@@ -131,7 +129,7 @@ def _held_step(averager, release: threading.Event | _Either) -> tuple[threading.
     return thread, times
 
 
-@PATCHED
+@PLAIN_OR_PATCHED
 def test_a_download_is_the_state_the_donor_copied_not_one_its_update_changed_afterwards(request, patched):
     """Item 4, a torn download. hivemind's ``get_current_state`` (optim/state_averager.py:627-656) takes the
     tensor lock but hands over the live parameters (``param.detach().cpu()``, no copy), and the averager
@@ -172,7 +170,7 @@ def test_a_download_is_the_state_the_donor_copied_not_one_its_update_changed_aft
         _shutdown(a, b)
 
 
-@PATCHED
+@PLAIN_OR_PATCHED
 def test_a_download_during_the_donors_epoch_step_never_gets_the_new_epoch_with_the_old_state(
     request, patched
 ):
@@ -256,7 +254,7 @@ class _AskedLock:
         return self._lock.__exit__(*exc)
 
 
-@PATCHED
+@PLAIN_OR_PATCHED
 def test_a_step_that_begins_while_the_donor_copies_its_state_is_not_sent_with_the_old_tensors(
     request, patched
 ):
@@ -313,7 +311,7 @@ def test_a_step_that_begins_while_the_donor_copies_its_state_is_not_sent_with_th
         _shutdown(a, b)
 
 
-@PATCHED
+@PLAIN_OR_PATCHED
 def test_an_outsized_averaged_state_is_applied_on_plain_hivemind_and_rejected_by_the_screen(request, patched):
     """Item 7, a state round. A averages with B, whose parameters are 10,000 times too large; A has a
     RoundScreen (factor 10), B none. hivemind copies the group's mean into the model unchecked
@@ -359,7 +357,7 @@ def test_an_outsized_averaged_state_is_applied_on_plain_hivemind_and_rejected_by
         _shutdown(a, b)
 
 
-@PATCHED
+@PLAIN_OR_PATCHED
 def test_a_state_download_with_outsized_numbers_is_applied_on_plain_hivemind_and_undone_by_the_screen(
     request, patched
 ):
@@ -408,7 +406,7 @@ def test_a_state_download_with_outsized_numbers_is_applied_on_plain_hivemind_and
         _shutdown(a, b)
 
 
-@PATCHED
+@PLAIN_OR_PATCHED
 def test_a_download_at_this_peers_own_epoch_is_judged_too(request, patched):
     """Item 7, a download at the downloader's own epoch. hivemind loads any state whose epoch is not behind
     its own (optim/state_averager.py:673), and ``download_the_epoch_it_names`` (item 13) downloads again at
@@ -441,7 +439,7 @@ def test_a_download_at_this_peers_own_epoch_is_judged_too(request, patched):
         _shutdown(a, b)
 
 
-@PATCHED
+@PLAIN_OR_PATCHED
 def test_a_download_judges_and_undoes_the_optimizer_state_the_rounds_do_not_average(request, patched):
     """Item 7, the rest of a download. hivemind's download replaces the optimizer's whole state dict
     (``load_optimizer_state``, optim/state_averager.py:686 and 732-740): the momentum buffers that no state
@@ -489,7 +487,7 @@ def test_a_download_judges_and_undoes_the_optimizer_state_the_rounds_do_not_aver
         _shutdown(a, b)
 
 
-@PATCHED
+@PLAIN_OR_PATCHED
 def test_peers_that_average_their_state_leave_the_round_at_one_epoch(request, patched):
     """Item 9. With ``sync_epoch_when_averaging`` every member of a state round takes the largest epoch it
     gathered, whatever it is (optim/state_averager.py:558-564). A peer one epoch behind that joins its
@@ -532,7 +530,7 @@ def test_sane_epochs_keeps_a_groupmates_epoch_within_one_of_this_peers():
     assert state_averager.sane_epochs({"a": None, "b": 7}, "a") == {}
 
 
-@PATCHED
+@PLAIN_OR_PATCHED
 def test_a_state_round_without_its_group_gives_up_after_find_group_within(request, patched):
     """Item 12. A's state round finds no group: B, whom A expects (target group size 2), does not come, as a
     stranger stuck elsewhere would not. hivemind's ``_do`` passes one ``timeout`` (here 5 s) both as the
@@ -573,7 +571,7 @@ def test_a_state_round_without_its_group_gives_up_after_find_group_within(reques
         _shutdown(a, b)
 
 
-@PATCHED
+@PLAIN_OR_PATCHED
 def test_a_donor_stores_its_changed_epoch_at_most_once_per_declare_every(request, patched, monkeypatch):
     """Item 18. hivemind's donor stores its record in the DHT at every change of ``state_sharing_priority``
     (averaging/averager.py:243-249 and 600-625), and hivemind.Optimizer changes it at every global epoch. The

@@ -3,36 +3,21 @@ and state rounds apart. The scenario runs on plain hivemind, which counts nothin
 
 from __future__ import annotations
 
-import time
-
-import pytest
 import torch
 from hivemind.averaging import DecentralizedAverager
 
 from swarm import patches
 from swarm.patches import traffic
-from tests.conftest import _dht_nodes
-from tests.patches.common import MATCHMAKING
+from tests.patches.common import MATCHMAKING, PLAIN_OR_PATCHED, hivemind_as
 
 NUMBERS = 10_000  # one float32 tensor, one part (hivemind/averaging/partition.py: parts of up to 512 KiB)
-
-
-@pytest.fixture(scope="module")
-def nodes():
-    """``nodes(n)``: n of the DHT nodes shared by this module's tests, started before the first. No patch of
-    swarm/patches changes a DHT process, so each test installs the patches, or not, around what it builds."""
-    nodes_of = _dht_nodes(time.time())
-    started = next(nodes_of)
-    started(2)
-    yield started
-    next(nodes_of, None)  # shuts them down
 
 
 def _counted() -> dict[str, float]:
     return {kind: traffic.bytes_sent(kind) for kind in ("gradients", "state")}
 
 
-@pytest.mark.parametrize("patched", [False, True], ids=["plain hivemind", "patched"])
+@PLAIN_OR_PATCHED
 def test_bytes_sent_in_rounds_are_counted_gradients_and_state_apart(nodes, patched):
     """Two peers, each with a gradient averager and a state averager (hivemind.Optimizer's prefixes,
     ``<run>_grad_averager`` and ``<run>_state_averager``), average one round of each. hivemind's
@@ -47,7 +32,7 @@ def test_bytes_sent_in_rounds_are_counted_gradients_and_state_apart(nodes, patch
     with patches.installed("traffic"):
         pass  # the counters exist from the first install on: on plain hivemind too, they could move
     assert traffic._sent is not None
-    with patches.installed() if patched else patches.plain_hivemind():
+    with hivemind_as(patched):
         averagers = {
             kind: [
                 DecentralizedAverager(

@@ -215,8 +215,7 @@ class _SettledState:
             if reason is not None:
                 load_optimizer_state(self.optimizer, opt_metadata, opt_before)
                 self._swarm_own_hyper = hyper
-                self._restore_own_hyper()
-                self._update_scheduler()  # the peer takes the newer epoch: its schedule's rates, if any
+                self._update_scheduler()  # its own hyperparameters, then the newer epoch's scheduled rates
                 for mine, now in zip(before, self._local_tensors(), strict=True):
                     now.copy_(mine)
         if reason is not None:

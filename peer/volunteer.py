@@ -63,6 +63,7 @@ class SwarmReporter(L.Callback):
         self.history: list[dict[str, Any]] = []
         self.checksums: dict[int, list[float]] = {}
         self.swarm_sps: float | None = None
+        self.rounds_shown = 0  # the strategy's rounds already counted in a progress line
         self.last_val: dict[str, Any] | None = None
         self.start_checksum: list[float] | None = None
         self._warned: set = set()
@@ -285,6 +286,7 @@ class SwarmReporter(L.Callback):
         eta_text = f"~{max(0.0, eta):.1f} s" if eta < 1e6 else "n/a"
         sps = self.line_samples / max(time.time() - self.line_start, 1e-6)
         self.line_samples, self.line_start = 0, time.time()
+        rounds = self._rounds_since_last_line()
         swarm = f" (swarm {self.swarm_sps:.1f})" if self.swarm_sps is not None else ""
         recent = self.losses or [h["loss"] for h in self.history[-1:] if h["mini_steps"]]
         loss = f"{sum(recent) / len(recent):.4f}" if recent else "n/a"
@@ -293,7 +295,7 @@ class SwarmReporter(L.Callback):
         if mem is not None:
             val += f" | gpu {mem:.1f} GB, {util:.0f}% busy"
         log.info(
-            "epoch %d | peers %d | data epoch %.2f | %.1f samples/s%s | round %d/%d samples, next in %s"
+            "epoch %d | peers %d | data epoch %.2f | %.1f samples/s%s | round %d/%d samples, next in %s%s"
             " | loss %s | lr %.2e%s",
             self.strategy.local_epoch,
             max(1, progress.num_peers),
@@ -303,10 +305,25 @@ class SwarmReporter(L.Callback):
             progress.samples_accumulated,
             progress.target_batch_size,
             eta_text,
+            rounds,
             loss,
             lr_of(opt),
             val,
         )
+
+    def _rounds_since_last_line(self) -> str:
+        """The line's ", averaged 3/4": of the rounds this peer ended since its last line, how many used the
+        group's average (the others stepped on this peer's own gradient: alone, or a failed or rejected
+        round); "" when it ended none. "peers 2" with "averaged 0/6": a swarm that does not train together."""
+        clock = self.strategy.clock
+        if clock is None:
+            return ""
+        new = clock.rounds[self.rounds_shown :]
+        self.rounds_shown = len(clock.rounds)
+        if not new:
+            return ""
+        averaged = sum(r["outcome"] == "averaged" and "gradient" not in r["rejected"] for r in new)
+        return f", averaged {averaged}/{len(new)}"
 
     def _diloco_summary(self) -> dict[str, Any]:
         d = self.strategy.diloco

@@ -124,5 +124,30 @@ def synced_epochs(
     return common, equal
 
 
+def states_kept(gone: dict, kept: dict, rel: float, before: float = math.inf) -> tuple[list[int], list[int]]:
+    """The global epochs that one peer (``gone``, its summary) completed before ``before`` (wall-clock time),
+    and those of them whose parameters (checksums within ``rel``, relative) the other (``kept``) also held at
+    an epoch it completed before then, whatever number it gave that epoch.
+
+    Right after a peer joins, the two can number the same averaged parameters apart: each stepped alone
+    while it led by an epoch (a peer's tracker counts the peers at the newest epoch only), and a state round
+    moves the one behind forward by one epoch at most (swarm/patches/state_averager.py, ``sane_epochs``), so
+    a gap of k epochs closes in k averaged rounds.
+    """
+
+    def done(s: dict) -> list[int]:
+        times = {h["epoch"]: h["time"] for h in s["history"]}
+        return sorted(int(e) for e in s["checksums"] if times.get(int(e), math.inf) <= before)
+
+    held = [kept["checksums"][str(e)] for e in done(kept)]
+    epochs = done(gone)
+
+    def close(x: list[float], y: list[float]) -> bool:
+        return all(math.isclose(a, b, rel_tol=rel, abs_tol=rel) for a, b in zip(x, y, strict=True))
+
+    same = [e for e in epochs if any(close(gone["checksums"][str(e)], h) for h in held)]
+    return epochs, same
+
+
 def port_of(maddr: str) -> int:
     return int(maddr.split("/tcp/")[1].split("/")[0])

@@ -12,9 +12,12 @@ times
   an honest round stays near this peer's own norm; a peer whose gradient is 10,000 times too large moves
   the mean of 3 peers about 3,000 times.
 - **a state averaging round** (parameters, optimizer statistics, extra tensors), role by role: the
-  averaged tensors' norm against ``factor`` times this peer's own. Honest peers' parameters and AdamW
-  moments have norms of the same order; an attacker's AdamW ``exp_avg_sq`` after 10,000x gradients is
-  10^8 times larger.
+  averaged tensors' norm against ``factor`` times the larger of this peer's own and the median norm of that
+  role in the last accepted states (averaged or downloaded). Honest peers' parameters and AdamW moments have
+  norms of the same order; an attacker's AdamW ``exp_avg_sq`` after 10,000x gradients is 10^8 times larger.
+  The median matters for moments that this peer has only begun to build: a DiLoCo peer's inner AdamW moments
+  after its first inner steps since it joined were 11x smaller than the pair's honest average (0.805 against
+  9.14), and judged against its own alone, that honest round was rejected.
 
 - **a state download** (hivemind.Optimizer downloads the newest peer's state whenever this peer falls
   behind): judged like a state averaging round, against the state this peer held before.
@@ -53,6 +56,9 @@ class RoundScreen:
     def __init__(self, factor: float = 10.0, history: int = 16) -> None:
         self.factor = factor
         self.norms: deque[float] = deque(maxlen=history)  # norms of the last accepted gradient rounds
+        # norms of each part (parameters, optimizer statistics, extra tensors) of the last accepted states
+        self.part_norms: dict[str, deque[float]] = {}
+        self.history = history
         self.rejected_gradient_rounds = 0
         self.rejected_state_rounds = 0
         self.rejected_downloads = 0
@@ -112,8 +118,9 @@ class RoundScreen:
         for role, (mine, theirs) in (wholes or {}).items():
             parts[role] = (list(mine), list(theirs))
         what = "averaged" if kind == "state" else "downloaded"
+        sizes = {}
         for role, (mine, theirs) in parts.items():
-            reason = self._judge_part(role, mine, theirs, what)
+            reason, sizes[role] = self._judge_part(role, mine, theirs, what)
             if reason is None:
                 continue
             if kind == "state":
@@ -121,24 +128,30 @@ class RoundScreen:
             else:
                 self.rejected_downloads += 1
             return self._rejected(kind, reason)
+        for role, size in sizes.items():
+            if size > 0:  # an all-zero part (optimizer statistics not yet built) says nothing about sizes
+                self.part_norms.setdefault(role, deque(maxlen=self.history)).append(size)
         self.in_row[kind] = 0
         return None
 
     def _judge_part(
         self, role: str, mine: list[torch.Tensor], theirs: list[torch.Tensor], what: str
-    ) -> str | None:
+    ) -> tuple[str | None, float]:
+        """(why the new ``theirs`` may not replace ``mine``, or None; the new part's norm)."""
         # sizes leave out one-number tensors: step counters (DiLoCo's inner AdamW steps travel as extra
         # tensors) of a peer that fell far behind differ from the swarm's by design
         size = total_norm([t for t in theirs if t.numel() > 1])
         own = total_norm([t for t in mine if t.numel() > 1])
         if not all_finite(theirs):
-            return f"the {what} {role} are non-finite"
-        if self._outsized(size, own):
+            return f"the {what} {role} are non-finite", size
+        recent = self.part_norms.get(role)
+        reference = max([own] + ([statistics.median(recent)] if recent else []))
+        if own > 0 and self._outsized(size, reference):
             return (
-                f"the {what} {role} have norm {size:.3g}, {size / own:.0f}x this peer's {own:.3g} "
-                f"(the limit is {self.factor:g}x)"
-            )
-        return None
+                f"the {what} {role} have norm {size:.3g}, {size / reference:.0f}x this peer's reference "
+                f"{reference:.3g} (its own {own:.3g}; the limit is {self.factor:g}x)"
+            ), size
+        return None, size
 
     def _rejected(self, kind: str, reason: str) -> str:
         self.in_row[kind] += 1

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import click
 
-from swarm.config import AVERAGING, DATASETS, DEVICES, PRECISIONS
+from swarm.config import AGGREGATION, AVERAGING, DATASETS, DEVICES, PRECISIONS
 
 Decorator = Callable[[Callable], Callable]
 
@@ -202,6 +202,13 @@ def averaging_options(func: Callable) -> Callable:
                 default=None,
                 help="Reject an averaged gradient or state this many times larger than this peer's own; "
                 "0: only non-finite ones [10].",
+            ),
+            click.option(
+                "--aggregation",
+                type=click.Choice(AGGREGATION),
+                default=None,
+                help="How a peer combines its groupmates' parts of a round: a robust mean (an honest round "
+                "gives the plain mean) or hivemind's weighted mean [centered_clip].",
             ),
             click.option(
                 "--compression",

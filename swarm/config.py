@@ -21,6 +21,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DATASETS = ("digits", "cifar10")
 STRATEGIES = ("ddp", "fsdp", "ddp_spawn", "dp", "single")
 AVERAGING = ("gradients", "diloco")
+AGGREGATION = ("centered_clip", "mean")  # swarm/patches/robust.py RULES
 
 
 class ConfigError(ValueError):
@@ -180,6 +181,11 @@ class SwarmConfig:
     the peer steps on its own gradient or keeps its own state instead (swarm/averaging/screen.py). 0 turns the
     size check off; non-finite results are always rejected. A per-peer policy, not part of the swarm's
     config."""
+    aggregation: str = "centered_clip"
+    """How the peer that reduces a slice of an averaging round combines its groupmates' parts:
+    'centered_clip' (a robust mean: no part further than the others' typical distance from their median
+    pulls harder than that; an honest round gives the plain mean) or 'mean' (hivemind's weighted mean). See
+    swarm/patches/robust.py."""
     compression: str = "none"
     """How tensors travel: 'none', 'fp16', 'int8' or 'powersgd:<rank>' (see swarm/compression.py)."""
     averaging: str = "gradients"
@@ -241,6 +247,8 @@ class SwarmConfig:
             parse_compression(self.compression)
         except CompressionError as exc:
             raise ConfigError(str(exc)) from None
+        rules = ", ".join(AGGREGATION)
+        _check(self.aggregation in AGGREGATION, "aggregation", self.aggregation, f"one of {rules}")
         _check(self.averaging in AVERAGING, "averaging", self.averaging, f"one of {', '.join(AVERAGING)}")
         _check(self.local_steps >= 1, "local_steps", self.local_steps, "an integer >= 1")
         _check(self.outer_lr > 0, "outer_lr", self.outer_lr, "a number > 0")

@@ -18,6 +18,9 @@ list of ``kind@epoch`` or ``kind@epochxcount`` items, e.g. ``kill:allreduce@5`` 
   swarm/averaging/screen.py is for). Only 10,000 times too large, AdamW would barely notice: its update does
   not depend on the gradient's scale (measured: a swarm with such a peer and no screen went on from val acc
   0.66 to 0.89).
+- ``flip_grad@ExN``: the first N local steps from epoch E produce gradients of an honest size pointing
+  uphill (-8 times the true gradient): an invited peer that wants the run to fail, within the screen's 10x
+  (what swarm/patches/robust.py is for).
 - ``nan_params@E``: the parameters turn NaN right after the averaging that ends epoch E.
 - ``abandon:join@E``: from global epoch E, the first time the gradient averager asks a leader to take it
   into a group, it gives up before the answer, as a follower whose process is starved for longer than
@@ -46,8 +49,9 @@ if TYPE_CHECKING:  # torch and hivemind load only when a fault is injected: the 
     from hivemind.averaging.control import StepControl
 
 KILL_KINDS = ("kill:accumulating", "kill:matchmaking", "kill:allreduce")
-GRAD_KINDS = ("nan_grad", "inf_grad", "big_grad")
+GRAD_KINDS = ("nan_grad", "inf_grad", "big_grad", "flip_grad")
 BIG_GRAD_SCALE = -1e4
+FLIP_GRAD_SCALE = -8.0
 LOCAL_KILL = "kill:rank"  # swarm-peer local: the last rank SIGKILLs itself at global epoch E (first attempt)
 ABANDON_JOIN = "abandon:join"
 KINDS = (*KILL_KINDS, *GRAD_KINDS, "nan_params", ABANDON_JOIN, LOCAL_KILL)
@@ -138,16 +142,17 @@ class FaultInjector:
         for fault, left in self._grad_left.items():
             if left > 0 and epoch >= fault.epoch:
                 self._grad_left[fault] = left - 1
-                if fault.kind == "big_grad":
+                if fault.kind in ("big_grad", "flip_grad"):
+                    scale = BIG_GRAD_SCALE if fault.kind == "big_grad" else FLIP_GRAD_SCALE
                     if left == fault.count:
                         print(
-                            f"FAULT INJECTED: gradients x{BIG_GRAD_SCALE:g} for {fault.count} local steps "
+                            f"FAULT INJECTED: gradients x{scale:g} for {fault.count} local steps "
                             f"from global epoch {epoch}",
                             flush=True,
                         )
                     for p in module.parameters():
                         if p.grad is not None:
-                            p.grad.mul_(BIG_GRAD_SCALE)
+                            p.grad.mul_(scale)
                     return True
                 value = float("nan") if fault.kind == "nan_grad" else float("inf")
                 for p in module.parameters():

@@ -1,18 +1,46 @@
-"""``attack``: a peer sends gradients 10,000 times too large and pointing uphill (``--inject-fault big_grad``)
-into a swarm of one honest peer, once with the honest peer's screen off (``--reject-factor 0``, the baseline
-of the same run) and once on (the default): the honest peer's val acc before the attack and after it, and
-what it rejected (swarm/averaging/screen.py)."""
+"""``attack``: an invited peer that sends wrong gradients, against the defences, row by row:
+
+- gradients 10,000 times too large and pointing uphill (``--inject-fault big_grad``) into a swarm of one
+  honest peer, with the honest peer's round screen off (``--reject-factor 0``) and on (the default)
+  (swarm/averaging/screen.py);
+- its honest gradient times -8 (``--inject-fault flip_grad``: uphill, of a size the screen lets through)
+  into a swarm of two honest peers, with hivemind's weighted mean (``--aggregation mean``) and with the
+  robust mean (the default; swarm/patches/robust.py), and the same two honest peers without an attacker.
+
+Each row: the honest peers' val acc before the attack and after it, and what they rejected. The rows of one
+call run one after another on the same machine."""
 
 from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from peer.bench.harness import Bench, Options, Peer, fmt, summary, table
 
-ATTACK_SECONDS = 30.0  # how long the attacker takes part before both are told to leave (SIGTERM)
+ATTACK_SECONDS = 30.0  # how long the attacker takes part before everyone is told to leave (SIGTERM)
 VALIDATION = re.compile(r"Validation at global epoch (\d+): loss (\S+), acc ([\d.]+),")
+ALWAYS = "x1000000000"  # every local step from the fault's epoch on
+
+
+@dataclass(frozen=True)
+class Row:
+    attack: str  # what the attacker sends ("none": no attacker)
+    fault: str | None  # its --inject-fault
+    defence: str  # what the honest peers use, in words
+    flags: tuple[str, ...]  # every peer's flags (a swarm setting such as --aggregation must match)
+    honest_flags: tuple[str, ...] = ()  # the honest peers' own
+    honest: int = 1
+
+
+ROWS = (
+    Row("x -10^4 (outsized)", f"big_grad@+2{ALWAYS}", "screen off", (), ("--reject-factor", "0")),
+    Row("x -10^4 (outsized)", f"big_grad@+2{ALWAYS}", "screen", ()),
+    Row("x -8 (sign-flipped)", f"flip_grad@+2{ALWAYS}", "screen, mean", ("--aggregation", "mean"), honest=2),
+    Row("x -8 (sign-flipped)", f"flip_grad@+2{ALWAYS}", "screen, robust mean", (), honest=2),
+    Row("none", None, "screen, robust mean", (), honest=2),
+)
 
 
 def _validations(peer: Peer) -> list[tuple[int, float, float]]:
@@ -22,13 +50,14 @@ def _validations(peer: Peer) -> list[tuple[int, float, float]]:
 
 def run(bench: Bench, opts: Options) -> None:
     stamp = int(time.time())
-    for factor in (0.0, 10.0):
-        _one(bench, f"bench-attack-{stamp}-{int(factor)}", factor)
+    for n, row in enumerate(ROWS):
+        _one(bench, f"bench-attack-{stamp}-{n}", row)
 
 
-def _one(bench: Bench, run_id: str, factor: float) -> None:
-    """Bootstrap, the honest peer (``--reject-factor factor``), then the attacker once it trains."""
-    common = ["--config", "demo", "--run-id", run_id, "--log-dir", str(bench.work)]
+def _one(bench: Bench, run_id: str, row: Row) -> None:
+    """Bootstrap, the honest peers, then the attacker (or a third honest peer's wait, for "none") once they
+    train; everyone leaves ATTACK_SECONDS after the attack began."""
+    common = ["--config", "demo", "--run-id", run_id, "--log-dir", str(bench.work), *row.flags]
     started: list[Peer] = []
 
     def join(name: str, *extra: str, seed: int, address: str) -> Peer:
@@ -41,43 +70,60 @@ def _one(bench: Bench, run_id: str, factor: float) -> None:
     try:
         started.append(Peer(f"{run_id}-bootstrap", ["bootstrap", *common], bench.work))
         address = started[0].join_address(timeout=120)
-        honest = join("honest", "--reject-factor", str(factor), seed=1, address=address)
-        honest.wait_for(r"\| epoch \d+ \|", timeout=180)
-        attacker = join("attacker", "--inject-fault", "big_grad@+2x1000000000", seed=2, address=address)
-        attack = int(attacker.wait_for(r"FAULT INJECTED: .* from global epoch (\d+)", timeout=180).group(1))
+        honest = [
+            join(f"honest{i}", *row.honest_flags, seed=i, address=address) for i in range(1, row.honest + 1)
+        ]
+        for peer in honest:
+            peer.wait_for(r"\| epoch \d+ \|", timeout=180)
+        if row.fault is None:
+            attack = max(_epoch(peer) for peer in honest) + 2
+        else:
+            attacker = join("attacker", "--inject-fault", row.fault, seed=99, address=address)
+            attack = int(
+                attacker.wait_for(r"FAULT INJECTED: .* from global epoch (\d+)", timeout=180).group(1)
+            )
         time.sleep(ATTACK_SECONDS)
-        codes = [p.stop(grace=60) for p in (honest, attacker)]
+        codes = [p.stop(grace=60) for p in started[1:]]
     finally:
         for p in started:
             p.stop()
     if any(codes):
         raise RuntimeError(f"{run_id}: a peer failed (exit codes {codes}); logs in {bench.work}")
-    vals = _validations(honest)
-    s = summary(bench.work, run_id, "honest")
+    vals = _validations(honest[0])
+    s = [summary(bench.work, run_id, f"honest{i}") for i in range(1, row.honest + 1)]
     before = [acc for epoch, _, acc in vals if epoch <= attack][-2:]
     after = [(epoch - attack, loss, acc) for epoch, loss, acc in vals if epoch > attack]
-    bench.record(
-        {
-            "scenario": "attack",
-            "reject_factor": factor,
-            "attack_epoch": attack,
-            "attack_seconds": ATTACK_SECONDS,
-            "val_acc_before": before,
-            "val_after": after,  # (global epochs after the attack began, val loss, val acc)
-            "rejected_gradient_rounds": s["rejected_gradient_rounds"],
-            "rejected_state_rounds": s["rejected_state_rounds"],
-            "rejected_downloads": s["rejected_downloads"],
-            "skipped_nonfinite_steps": s["skipped_nonfinite_steps"],
-        }
-    )
+    record = {
+        "scenario": "attack",
+        "attack": row.attack,
+        "defence": row.defence,
+        "honest_peers": row.honest,
+        "attack_epoch": attack,
+        "attack_seconds": ATTACK_SECONDS,
+        "val_acc_before": before,
+        "val_after": after,  # of the first honest peer: (global epochs after the attack began, val loss, acc)
+        **{key: sum(x[key] for x in s) for key in REJECTED},
+    }
+    bench.record(record)
     end = f"{fmt(after[-1][2])} after {after[-1][0]} epochs (loss {fmt(after[-1][1])})" if after else "-"
     print(
-        f"attack, reject_factor {factor:g}: honest val acc {before} before global epoch {attack}, "
+        f"attack {row.attack}, {row.defence}: honest val acc {before} before global epoch {attack}, "
         f"{[acc for _, _, acc in after[:3]]} in the 9 epochs after, {end}; rejected "
-        f"{s['rejected_gradient_rounds']} gradient rounds, {s['rejected_state_rounds']} state rounds, "
-        f"{s['rejected_downloads']} downloads",
+        + ", ".join(f"{record[key]} {key.replace('_', ' ')}" for key in REJECTED),
         flush=True,
     )
+
+
+REJECTED = (
+    "rejected_gradient_rounds",
+    "rejected_state_rounds",
+    "rejected_downloads",
+    "skipped_nonfinite_steps",
+)
+
+
+def _epoch(peer: Peer) -> int:
+    return max(int(m.group(1)) for m in (re.search(r"\| epoch (\d+) \|", line) for line in peer.lines) if m)
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:
@@ -85,7 +131,9 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
         after = r["val_after"]
         end = after[-1] if after else None
         return [
-            "off (0)" if not r["reject_factor"] else f"on ({r['reject_factor']:g})",
+            r.get("attack", "x -10^4 (outsized)"),
+            r.get("defence", "screen off" if not r.get("reject_factor") else "screen"),
+            r.get("honest_peers", 1),
             ", ".join(fmt(a) for a in r["val_acc_before"]),
             ", ".join(fmt(acc) for _, _, acc in after[:3]) or "-",
             f"{fmt(end[2])} / {fmt(end[1])} at +{end[0]}" if end else "-",
@@ -93,7 +141,9 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
         ]
 
     header = [
-        "honest peer's screen",
+        "attacker sends",
+        "honest peers use",
+        "honest peers",
         "val acc, last 2 before the attack",
         "val acc at +3, +6, +9 epochs",
         "val acc / val loss at the end",

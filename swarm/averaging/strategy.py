@@ -44,7 +44,7 @@ from swarm.averaging.screen import RoundScreen
 from swarm.compression import parse_compression
 from swarm.config import AVERAGING, SwarmConfig
 from swarm.log import quiet_hivemind
-from swarm.patches import grad_averager, matchmaking, progress, traffic
+from swarm.patches import grad_averager, matchmaking, progress, robust, traffic
 from swarm.patches.optimizer import Wired, Wiring, wire
 from swarm.procs import p2p_daemon_alive
 
@@ -128,6 +128,8 @@ class HivemindStrategy(SingleDeviceStrategy):
             stores one after every step; 0 restores that). A new epoch is reported at once.
         skip_agreed_state_rounds: skip a state round when the gradient round showed the whole swarm holding
             one state already (gradient averaging only; see docs/hivemind-patches.md item 16).
+        aggregation: how this peer reduces its slices of every round: 'centered_clip' (robust) or 'mean'
+            (hivemind's; see swarm/patches/robust.py).
         optimizer_kwargs: passed on to ``hivemind.Optimizer``.
     """
 
@@ -161,6 +163,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         report_every: float = 0.25,
         reject_factor: float = 10.0,
         skip_agreed_state_rounds: bool = True,
+        aggregation: str = "centered_clip",
         **optimizer_kwargs: Any,
     ) -> None:
         super().__init__(device=device)
@@ -176,6 +179,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.close_groups_early, self.report_every = close_groups_early, report_every
         self.skip_agreed_state_rounds = skip_agreed_state_rounds
         self.agreed_state_rounds = 0  # state rounds skipped because the swarm held one state already
+        self.aggregation = aggregation  # how this peer reduces its slices of rounds (swarm/patches/robust.py)
         self.screen = RoundScreen(reject_factor)  # judges every averaged result (swarm/averaging/screen.py)
         self._nonfinite_in_row = 0  # local steps in a row with non-finite gradients
         self.clock: RoundClock | None = None
@@ -239,6 +243,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             report_every=swarm.report_every,
             reject_factor=swarm.reject_factor,
             skip_agreed_state_rounds=swarm.skip_agreed_state_rounds,
+            aggregation=swarm.aggregation,
         )
         return cls(node=node, batch_size=batch_size, **{**fields, **kwargs})
 
@@ -291,6 +296,7 @@ class HivemindStrategy(SingleDeviceStrategy):
                 ) from None
         # before hivemind starts its averager processes (they fork with the classes as they are then)
         patches.install()
+        robust.use(self.aggregation)
         self.node.fence_averagers()  # invite-only: fenced averagers (a no-op if the role did it, or open)
         inner = self.optimizers[0]
         # DiLoCo's inner steps reach the swarm only through the outer step, where the guard checks once

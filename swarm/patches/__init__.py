@@ -17,6 +17,7 @@ module                 hivemind area (and the items of docs/hivemind-patches.md 
                        gradients (7), strangers met (11), downloads numbered (13), agreed state
                        rounds skipped (16), AdamW counters by epoch (17)
 ``rpc_guard``          p2p/servicer.py: averagers serve and call only admitted peers
+``robust``             averaging/partition.py: a robust mean of each reduced slice (21)
 ``traffic``            averaging/allreduce.py: bytes sent in rounds, counted
 ``compression``        compression/quantization.py: 8-bit decoding with NumPy >= 2.4
 ``dht``                dht/dht.py: a DHT process that survives senders that exit
@@ -63,7 +64,7 @@ def check_version(version: str | None = None) -> None:
 def process_wide() -> list[Any]:
     """The process-wide patches (``swarm.patches._registry.Patch``), in the order :func:`install` applies
     them."""
-    from swarm.patches import allreduce, compression, matchmaking, rpc_guard, state_averager, traffic
+    from swarm.patches import allreduce, compression, matchmaking, robust, rpc_guard, state_averager, traffic
 
     # traffic replaces the averagers' AllReduceRunner with a subclass, which inherits allreduce's method
     # either way; the others touch distinct attributes, so the order is only the reading order
@@ -71,6 +72,7 @@ def process_wide() -> list[Any]:
         compression.PATCH,
         traffic.PATCH,
         allreduce.PATCH,
+        robust.PATCH,
         matchmaking.PATCH,
         state_averager.PATCH,
         rpc_guard.PATCH,

@@ -23,6 +23,12 @@ MATCHMAKING = 30.0  # far longer than any test waits: a round that finishes soon
 PLAIN_OR_PATCHED = pytest.mark.parametrize("patched", [False, True], ids=["plain hivemind", "patched"])
 
 
+# the process-wide changes but the robust reducer (test_robust.py): for tests that check a plain mean of
+# groupmates whose tensors are far apart (3 unrelated random tensors, or 1, 10 and 100), which that reducer,
+# by design, does not give
+ALL_BUT_ROBUST = tuple(p.name for p in patches.process_wide() if p.name != "robust")
+
+
 def hivemind_as(patched: bool, *names: str):
     """Every process-wide change (or those ``names``) installed if ``patched``, else hivemind as it is."""
     return patches.installed(*names) if patched else patches.plain_hivemind()

@@ -14,7 +14,14 @@ from hivemind.averaging.partition import TensorPartContainer
 
 from swarm.patches import allreduce
 from swarm.waiting import wait_until
-from tests.patches.common import MATCHMAKING, PLAIN_OR_PATCHED, _abandoning_join_request, _state, hivemind_as
+from tests.patches.common import (
+    ALL_BUT_ROBUST,
+    MATCHMAKING,
+    PLAIN_OR_PATCHED,
+    _abandoning_join_request,
+    _state,
+    hivemind_as,
+)
 
 PLAIN_ALLREDUCE_TIMEOUT = 3.0  # item 8: plain hivemind's leader waits all of it, so short in that variant
 
@@ -42,7 +49,8 @@ def test_one_all_reduce_part_per_buffer_not_per_tensor_and_the_average_is_exact(
         containers.put((len(tensors), sum(self.num_parts_by_tensor)))
 
     monkeypatch.setattr(TensorPartContainer, "__init__", counted)
-    with hivemind_as(patched):  # the averager processes are forked with the counting container
+    # the averager processes are forked with the counting container
+    with hivemind_as(patched, *ALL_BUT_ROBUST):
         group = [
             cls(
                 tensors,
@@ -174,7 +182,7 @@ def test_a_groupmate_that_awaits_its_trigger_is_not_taken_for_a_stranger(nodes, 
 
     request_timeout = 0.3
     values = [1.0, 10.0, 100.0]
-    with hivemind_as(patched):
+    with hivemind_as(patched, *ALL_BUT_ROBUST):
         group = [
             DecentralizedAverager(
                 [torch.full((30_000,), v)],

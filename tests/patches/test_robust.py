@@ -1,0 +1,108 @@
+"""What swarm/patches/robust.py changes (item 21): the peer that reduces a slice of a round takes a robust
+mean (CenteredClip) of its groupmates' parts instead of their weighted mean. Three real averagers on three
+DHT nodes average one vector each; every scenario runs on plain hivemind and with the patch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hivemind.averaging import DecentralizedAverager
+
+from swarm.patches import robust
+from tests.patches.common import MATCHMAKING, PLAIN_OR_PATCHED, hivemind_as
+
+NODES = 3
+SIZE = 60_000  # numbers per peer: split into the three peers' slices, each reduced by one of them
+
+
+def _round(
+    nodes, patched: bool, vectors: list[torch.Tensor], weights: list[float], prefix: str
+) -> torch.Tensor:
+    """One all-reduce of ``vectors`` (one per averager, with ``weights``); what every averager then holds
+    (they must all hold the same, but for float32 rounding: each adds the average's change to its own)."""
+    with hivemind_as(patched, "robust"):  # the averager processes fork with the reducer as it is now
+        group = [
+            DecentralizedAverager(
+                [v.clone()],
+                dht=node,
+                prefix=f"{prefix}-{patched}",  # the shared nodes keep the other variant's records
+                target_group_size=3,
+                min_matchmaking_time=MATCHMAKING,
+                request_timeout=1.5,
+                start=True,
+            )
+            for node, v in zip(nodes(3), vectors, strict=True)
+        ]
+    try:
+        pairs = zip(group, weights, strict=True)
+        controls = [a.step(weight=w, wait=False, timeout=MATCHMAKING + 10) for a, w in pairs]
+        assert all(len(c.result(timeout=MATCHMAKING - 5)) == 3 for c in controls)
+        held = []
+        for averager in group:
+            with averager.get_tensors() as got:
+                held.append(got[0].clone())
+    finally:
+        for averager in group:
+            averager.shutdown()
+    for other in held[1:]:
+        torch.testing.assert_close(other, held[0], rtol=1e-5, atol=1e-8)
+    return held[0]
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+def _gradients(seed: int, count: int, noise: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The true gradient (norm 1) and ``count`` honest estimates of it, each off by ``noise`` times its
+    norm."""
+    gen = torch.Generator().manual_seed(seed)
+    true = torch.randn(SIZE, generator=gen) / SIZE**0.5
+    return true, [true + noise * torch.randn(SIZE, generator=gen) / SIZE**0.5 for _ in range(count)]
+
+
+@PLAIN_OR_PATCHED
+def test_an_honest_round_gives_the_weighted_mean(nodes, patched):
+    """Three honest peers, one with half the samples of the others: both variants give the weighted mean
+    (float32 rounding: the patch reduces in a different order)."""
+    _, vectors = _gradients(seed=1, count=3, noise=1.0)
+    weights = [64.0, 64.0, 32.0]
+    expected = sum(v * w for v, w in zip(vectors, weights, strict=True)) / sum(weights)
+    got = _round(nodes, patched, vectors, weights, "pytest-robust-honest")
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+@PLAIN_OR_PATCHED
+@pytest.mark.parametrize("weight", [64.0, 1e6], ids=["its own weight", "a weight of 10^6"])
+def test_a_peer_sending_its_gradient_times_minus_8_cannot_turn_the_round_uphill(nodes, patched, weight):
+    """Two honest peers and one that sends its honest gradient times -8 (of a size the round screen lets
+    through), announcing its true weight or 10^6 samples. hivemind's mean points uphill; the robust mean
+    points the honest way (the honest pair's mean has cosine 0.94 with the true gradient)."""
+    true, (a, b, c) = _gradients(seed=2, count=3, noise=0.5)
+    honest = (a + b) / 2
+    got = _round(nodes, patched, [a, b, -8 * c], [64.0, 64.0, weight], f"pytest-robust-flip-{weight:g}")
+    assert _cos(honest, true) > 0.9
+    if patched:
+        assert _cos(got, true) > 0.8, _cos(got, true)
+        assert (got - honest).norm() < 0.5 * honest.norm()
+    else:
+        assert _cos(got, true) < -0.6, _cos(got, true)
+
+
+def test_centered_clip_figures():
+    """The rule itself, on rows of 131,072 numbers: an honest set of 3 gives its mean to float32 rounding; two
+    rows give their weighted mean whatever they hold; rows at weight 0 take no part; weights above the median
+    count as the median."""
+    _, rows = _gradients(seed=3, count=3, noise=2.0)
+    stacked = torch.stack(rows)
+    got, scale = robust.centered_clip(stacked, torch.ones(3))
+    torch.testing.assert_close(got, stacked.mean(0), rtol=1e-5, atol=1e-7)
+    assert scale.tolist() == [1.0, 1.0, 1.0]
+    pair = torch.stack([rows[0], -100 * rows[1]])
+    got, _ = robust.centered_clip(pair, torch.tensor([3.0, 1.0]))
+    torch.testing.assert_close(got, (3 * rows[0] - 100 * rows[1]) / 4)
+    got, _ = robust.centered_clip(torch.stack([*rows, 1e9 * rows[0]]), torch.tensor([1.0, 1.0, 1.0, 0.0]))
+    torch.testing.assert_close(got, stacked.mean(0), rtol=1e-5, atol=1e-7)
+    assert robust.capped_weights(torch.tensor([1.0, 2.0, 1e6, 0.0])).tolist() == [1.0, 2.0, 2.0, 0.0]
+    with pytest.raises(ValueError, match="unknown aggregation rule 'median'; use one of centered_clip, mean"):
+        robust.use("median")

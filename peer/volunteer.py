@@ -25,7 +25,7 @@ from swarm.log import quiet_libraries
 from swarm.net import metrics
 from swarm.net.fingerprint import ConfigPublisher, check_against_swarm, join_line_for, wait_for_peers
 from swarm.net.node import check_addresses, start_node
-from swarm.patches import traffic
+from swarm.patches import robust, traffic
 from swarm.procs import GracefulStop, remove_stale_sockets
 from swarm.training.checkpoint import check_compatible, load_checkpoint, load_weights
 from swarm.training.data import build_datasets, peer_seed, train_loader, val_loader
@@ -377,6 +377,8 @@ class SwarmReporter(L.Callback):
             "rejected_gradient_rounds": self.strategy.screen.rejected_gradient_rounds,
             "rejected_state_rounds": self.strategy.screen.rejected_state_rounds,
             "rejected_downloads": self.strategy.screen.rejected_downloads,
+            # parts of groupmates' slices this peer's robust mean scaled down (swarm/patches/robust.py)
+            "clipped_parts": robust.clipped_parts(),
             "round_ends": self.strategy.clock.summary() if self.strategy.clock else None,
             "rounds": self.strategy.clock.rounds if self.strategy.clock else [],
             **self._diloco_summary(),

@@ -34,6 +34,7 @@ The reducer runs in the averager processes, which inherit :data:`RULE` when they
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ TAU_FACTOR = 1.5  # tau: this many times the median distance of the parts to the
 WEIGHT_CAP = 1.0  # no sender's weight counts for more than this many times the round's median weight
 ITERATIONS = 20  # at most; it stops once the centre moves by less than TOLERANCE of tau
 TOLERANCE = 1e-4
+_clipped: Any = None  # mp.Value: senders' parts scaled down by this process's averagers (forked: shared)
 
 
 def use(rule: str) -> None:
@@ -116,14 +118,12 @@ def centered_clip(
     return centre.to(parts.dtype), scale
 
 
-def _reducer_class() -> type:
+def _reducer_class(counter: Any) -> type:
     from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 
     class RobustPartReducer(TensorPartReducer):
         """hivemind's reducer that keeps each sender's part of the current slice and reduces them with
         :data:`RULE` once all have arrived (or failed)."""
-
-        clipped_parts = 0  # parts of senders scaled down, over this reducer's slices
 
         def reset_accumulators(self) -> None:
             self._kept: list[tuple[torch.Tensor, float]] = []
@@ -168,7 +168,10 @@ def _reducer_class() -> type:
                 parts = torch.stack([t.reshape(-1).to(torch.float32) for t, _ in kept])
                 weights = torch.tensor([w for _, w in kept])
                 flat, scale = centered_clip(parts, weights)
-                self.clipped_parts += int((scale < 1).sum())
+                clipped = int((scale < 1).sum())
+                if clipped and counter is not None:
+                    with counter.get_lock():
+                        counter.value += clipped
                 result = flat.reshape(shape)
             self.current_part_future.set_result(result)
             self.reset_accumulators()
@@ -178,9 +181,20 @@ def _reducer_class() -> type:
 
 
 def _targets() -> list[tuple[Any, str, Any]]:
+    """Count from now on; the averager processes started afterwards inherit the counter."""
+    global _clipped
     from hivemind.averaging import allreduce
 
-    return [(allreduce, "TensorPartReducer", _reducer_class())]
+    if _clipped is None:
+        _clipped = mp.get_context("fork").Value("q", 0)
+    return [(allreduce, "TensorPartReducer", _reducer_class(_clipped))]
+
+
+def clipped_parts() -> int:
+    """Senders' parts that this peer's averagers scaled down as reducers (a part of a slice further than
+    ``tau`` from the robust centre), since the patch was first installed; 0 if never. An honest swarm of
+    many-numbered slices has none."""
+    return 0 if _clipped is None else int(_clipped.value)
 
 
 PATCH = Patch("robust", _targets)

@@ -16,10 +16,12 @@ SIZE = 60_000  # numbers per peer: split into the three peers' slices, each redu
 
 
 def _round(
-    nodes, patched: bool, vectors: list[torch.Tensor], weights: list[float], prefix: str
-) -> torch.Tensor:
-    """One all-reduce of ``vectors`` (one per averager, with ``weights``); what every averager then holds
-    (they must all hold the same, but for float32 rounding: each adds the average's change to its own)."""
+    nodes, patched: bool, vectors: list, weights: list[float], prefix: str
+) -> tuple[torch.Tensor, int]:
+    """One all-reduce of ``vectors`` (one per averager, with ``weights``): (what every averager then holds
+    (they must all hold the same, but for float32 rounding: each adds the average's change to its own), the
+    senders' parts that the reducers scaled down)."""
+    before = robust.clipped_parts()
     with hivemind_as(patched, "robust"):  # the averager processes fork with the reducer as it is now
         group = [
             DecentralizedAverager(
@@ -46,7 +48,7 @@ def _round(
             averager.shutdown()
     for other in held[1:]:
         torch.testing.assert_close(other, held[0], rtol=1e-5, atol=1e-8)
-    return held[0]
+    return held[0], robust.clipped_parts() - before
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -68,8 +70,9 @@ def test_an_honest_round_gives_the_weighted_mean(nodes, patched):
     _, vectors = _gradients(seed=1, count=3, noise=1.0)
     weights = [64.0, 64.0, 32.0]
     expected = sum(v * w for v, w in zip(vectors, weights, strict=True)) / sum(weights)
-    got = _round(nodes, patched, vectors, weights, "pytest-robust-honest")
+    got, clipped = _round(nodes, patched, vectors, weights, "pytest-robust-honest")
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+    assert clipped == 0
 
 
 @PLAIN_OR_PATCHED
@@ -80,13 +83,17 @@ def test_a_peer_sending_its_gradient_times_minus_8_cannot_turn_the_round_uphill(
     points the honest way (the honest pair's mean has cosine 0.94 with the true gradient)."""
     true, (a, b, c) = _gradients(seed=2, count=3, noise=0.5)
     honest = (a + b) / 2
-    got = _round(nodes, patched, [a, b, -8 * c], [64.0, 64.0, weight], f"pytest-robust-flip-{weight:g}")
+    got, clipped = _round(
+        nodes, patched, [a, b, -8 * c], [64.0, 64.0, weight], f"pytest-robust-flip-{weight:g}"
+    )
     assert _cos(honest, true) > 0.9
     if patched:
         assert _cos(got, true) > 0.8, _cos(got, true)
         assert (got - honest).norm() < 0.5 * honest.norm()
+        assert clipped >= 1  # the attacker's part of each slice (load balancing decides how many slices)
     else:
         assert _cos(got, true) < -0.6, _cos(got, true)
+        assert clipped == 0
 
 
 def test_centered_clip_figures():

@@ -12,12 +12,13 @@ times
   an honest round stays near this peer's own norm; a peer whose gradient is 10,000 times too large moves
   the mean of 3 peers about 3,000 times.
 - **a state averaging round** (parameters, optimizer statistics, extra tensors), role by role: the
-  averaged tensors' norm against ``factor`` times the larger of this peer's own and the median norm of that
-  role in the last accepted states (averaged or downloaded). Honest peers' parameters and AdamW moments have
-  norms of the same order; an attacker's AdamW ``exp_avg_sq`` after 10,000x gradients is 10^8 times larger.
-  The median matters for moments that this peer has only begun to build: a DiLoCo peer's inner AdamW moments
-  after its first inner steps since it joined were 11x smaller than the pair's honest average (0.805 against
-  9.14), and judged against its own alone, that honest round was rejected.
+  averaged tensors' norm against the larger of this peer's own and the median norm of that role in the last
+  accepted states (averaged or downloaded), times ``factor`` for parameters and ``factor`` squared for the
+  rest. Honest peers' parameters have norms of the same order. Their optimizer statistics need not: AdamW's
+  ``exp_avg_sq`` grows with the square of the gradient, and honest DiLoCo peers' inner moments differed by
+  more than 10x (a 3-peer round of DiLoCo averaged them to 10.8 against one peer's 0.98 and another's 0.455:
+  both rejected it at 10x and went on apart). An attacker's ``exp_avg_sq`` after 10,000x gradients is 10^8
+  times larger. The median matters for moments that this peer has only begun to build.
 
 - **a state download** (hivemind.Optimizer downloads the newest peer's state whenever this peer falls
   behind): judged like a state averaging round, against the state this peer held before.
@@ -146,10 +147,11 @@ class RoundScreen:
             return f"the {what} {role} are non-finite", size
         recent = self.part_norms.get(role)
         reference = max([own] + ([statistics.median(recent)] if recent else []))
-        if own > 0 and self._outsized(size, reference):
+        limit = self.factor if role == "parameters" else self.factor**2  # statistics of squared gradients
+        if own > 0 and self.factor > 0 and size > limit * reference:
             return (
                 f"the {what} {role} have norm {size:.3g}, {size / reference:.0f}x this peer's reference "
-                f"{reference:.3g} (its own {own:.3g}; the limit is {self.factor:g}x)"
+                f"{reference:.3g} (its own {own:.3g}; the limit is {limit:g}x)"
             ), size
         return None, size
 

@@ -57,13 +57,13 @@ def run(bench: Bench, opts: Options) -> None:
 def _one(bench: Bench, run_id: str, row: Row) -> None:
     """Bootstrap, the honest peers, then the attacker (or a third honest peer's wait, for "none") once they
     train; everyone leaves ATTACK_SECONDS after the attack began."""
-    common = ["--config", "demo", "--run-id", run_id, "--log-dir", str(bench.work), *row.flags]
+    common = ["--config", "demo", "--run-id", run_id, "--log-dir", str(bench.work)]
     started: list[Peer] = []
 
     def join(name: str, *extra: str, seed: int, address: str) -> Peer:
-        args = ["join", *common, "--initial-peers", address, "--peer-name", name, "--seed", str(seed),
-                "--threads", "1", "--eval-every", "3", "--log-every", "10", "--max-epochs", "100000",
-                *extra]  # fmt: skip
+        args = ["join", *common, *row.flags, "--initial-peers", address, "--peer-name", name,
+                "--seed", str(seed), "--threads", "1", "--eval-every", "3", "--log-every", "10",
+                "--max-epochs", "100000", *extra]  # fmt: skip
         started.append(Peer(f"{run_id}-{name}", args, bench.work))
         return started[-1]
 
@@ -119,6 +119,7 @@ REJECTED = (
     "rejected_state_rounds",
     "rejected_downloads",
     "skipped_nonfinite_steps",
+    "clipped_parts",
 )
 
 
@@ -138,6 +139,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
             ", ".join(fmt(acc) for _, _, acc in after[:3]) or "-",
             f"{fmt(end[2])} / {fmt(end[1])} at +{end[0]}" if end else "-",
             f"{r['rejected_gradient_rounds']} / {r['rejected_state_rounds']} / {r['rejected_downloads']}",
+            r.get("clipped_parts", "-"),
         ]
 
     header = [
@@ -148,5 +150,6 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
         "val acc at +3, +6, +9 epochs",
         "val acc / val loss at the end",
         "rejected gradient rounds / state rounds / downloads",
+        "parts clipped by the robust mean",
     ]
     return table(rows, "attack", header, cells)

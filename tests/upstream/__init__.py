@@ -29,7 +29,9 @@ every test's own process that all of it is in place, and fails the run if a test
 without a byte through the ``traffic`` patch's all-reduce runner, which runs only in the averagers'
 processes: a run in which the patches were not active in the averagers cannot pass. Not installed here: the
 per-optimizer wiring (``swarm.patches.optimizer.wire``), which needs a swarm's ``Wiring`` (a round screen,
-the update optimizer), and the progress tracker's changes, which ``wire`` applies.
+the update optimizer), and the progress tracker's changes, which ``wire`` applies. The robust reducer
+(swarm/patches/robust.py) is installed with hivemind's weighted mean as its rule: hivemind's tests assert that
+mean for unrelated random tensors and unequal weights, which the robust rule is meant not to give.
 
 tests/upstream/exclusions.py lists the tests left out and why (13 tests of test_compression.py that need
 bitsandbytes, and test_averaging.py::test_averaging_cancel[2], which hangs now and then with and without

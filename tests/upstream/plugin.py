@@ -3,8 +3,9 @@
 
 At ``pytest_configure``, before hivemind's test modules are imported, it
 
-- runs ``swarm.patches.install()`` and checks that every attribute it replaced is now swarm's (its module is
-  in ``swarm.patches``), and lists them in the report's header. hivemind's tests each run in a process of
+- runs ``swarm.patches.install()`` (the robust reducer with hivemind's mean as its rule) and checks that every
+  attribute it replaced is now swarm's (its module is in ``swarm.patches``), and lists them in the report's
+  header. hivemind's tests each run in a process of
   their own (``@pytest.mark.forked``), which forks the averagers' processes: all of them inherit the
   patched classes;
 - puts the classes that the swarm builds instead of hivemind's (:func:`_classes`: the gradient averager of
@@ -162,8 +163,13 @@ def pytest_configure(config: pytest.Config) -> None:
         _state["mode"] = "none"
         return
     import swarm.patches
+    from swarm.patches import robust
 
     swarm.patches.install()
+    # the robust reducer stays installed (its buffering, sender failures and bans run under hivemind's tests),
+    # reducing with hivemind's weighted mean: hivemind's tests assert that mean for unrelated random tensors
+    # and unequal weights, which the robust rule by design does not give (tests/patches/test_robust.py)
+    robust.use("mean")
     _bindings[:] = _classes()
     for module, attribute, cls in _bindings:
         owner = importlib.import_module(module)

@@ -265,46 +265,6 @@ def test_an_attacker_sending_outsized_gradients_cannot_poison_the_swarm(peers, t
     assert len(after) == 3 and sum(after) / 3 >= mean_before - noise, (vals, noise)
 
 
-@pytest.mark.slow  # 90 s; tests/patches/test_robust.py shows the robust mean bound such a peer in-process
-def test_an_attacker_sending_sign_flipped_gradients_cannot_turn_the_swarm_uphill(peers, tmp_path):
-    """An invited peer (this project's own code, --inject-fault flip_grad) sends its gradient times -8 from
-    its second global epoch on: uphill, and small enough for the round screen (the mean of two honest peers
-    and it points uphill at 3x their norm). With hivemind's mean (``--aggregation mean``) two honest peers
-    went from val acc 0.90 to 0.11 within 20 s (README). Here their robust mean clips the attacker's part in
-    every 3-peer round, and the first honest peer's val acc at validations 4 to 6 after the attack began is on
-    average no lower than at the last two before it (within two standard errors of a 359-image accuracy)."""
-    run = "pytest-flip"
-    _, address = _bootstrap(peers, run, tmp_path)
-    common = ("--max-epochs", "100000", "--initial-peers", address, "--eval-every", "3")
-    honest = [_join(peers, f"honest{i}", run, tmp_path, *common, seed=i) for i in (1, 2)]
-    honest[0].wait_for(r"\| epoch \d+ \| peers 2", timeout=180)
-    attacker = _join(
-        peers, "attacker", run, tmp_path, *common, "--inject-fault", "flip_grad@+2x10000000", seed=3
-    )
-    fault = attacker.wait_for(r"FAULT INJECTED: gradients x-8 .* from global epoch (\d+)", timeout=180)
-    attack = int(fault.group(1))
-
-    def attacked_long_enough() -> bool:
-        for p in (*honest, attacker):
-            assert p.proc.poll() is None, f"{p.name} exited:\n{p.output()[-4000:]}"
-        return len([e for e, _ in _val_accs(honest[0]) if e > attack]) >= 6
-
-    wait_until(attacked_long_enough, timeout=300, interval=0.5)
-    assert attacked_long_enough(), honest[0].output()[-4000:]
-    for p in (*honest, attacker):
-        assert p.stop(grace=60) == 0, f"{p.name}:\n{p.output()[-4000:]}"
-    assert any("| peers 3" in line for line in honest[0].lines), "the attacker never took part"
-    clipped = [read_summary(tmp_path, run, f"honest{i}")["clipped_parts"] for i in (1, 2)]
-    assert sum(clipped) >= 3, clipped
-    vals = _val_accs(honest[0])
-    before = [acc for epoch, acc in vals if epoch <= attack][-2:]
-    after = [acc for epoch, acc in vals if epoch > attack][3:6]
-    print(f"\nhonest val acc {before} before global epoch {attack}, {after} after; clipped {clipped}")
-    mean_before = sum(before) / len(before)
-    noise = 2 * math.sqrt(mean_before * (1 - mean_before) / VAL_IMAGES)
-    assert len(after) == 3 and sum(after) / 3 >= mean_before - noise, (vals, noise)
-
-
 def test_a_peer_with_no_good_state_left_stops_with_one_line(peers, tmp_path):
     """Every step non-finite from global epoch 1 on: the peer resynchronises, rolls back, then exits 1 with
     one line that says what happened and what to do (no traceback, no endless warnings)."""

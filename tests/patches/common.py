@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import CompressionInfo, TensorRole
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
@@ -32,6 +33,24 @@ ALL_BUT_ROBUST = tuple(p.name for p in patches.process_wide() if p.name != "robu
 def hivemind_as(patched: bool, *names: str):
     """Every process-wide change (or those ``names``) installed if ``patched``, else hivemind as it is."""
     return patches.installed(*names) if patched else patches.plain_hivemind()
+
+
+def _vector_averagers(nodes: list, vectors: list, prefix: str, **options) -> list:
+    """A DecentralizedAverager of each one-tensor state (a copy of each of ``vectors``) on each DHT node, in a
+    group of all of them."""
+    return [
+        DecentralizedAverager(
+            [vector.clone()],
+            dht=node,
+            prefix=prefix,
+            target_group_size=len(vectors),
+            min_matchmaking_time=MATCHMAKING,
+            request_timeout=1.5,
+            start=True,
+            **options,
+        )
+        for node, vector in zip(nodes, vectors, strict=True)
+    ]
 
 
 def _state_averagers(nodes: list, nets: list, prefix: str, **options) -> list:

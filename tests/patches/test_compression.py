@@ -6,11 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import Uniform8BitQuantization, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
-from tests.patches.common import MATCHMAKING, PLAIN_OR_PATCHED, hivemind_as
+from tests.patches.common import MATCHMAKING, PLAIN_OR_PATCHED, _vector_averagers, hivemind_as
 
 # NumPy 2.4 and newer refuse int() of an array with a dimension, even of one element
 NUMPY_REFUSES = tuple(int(part) for part in np.__version__.split(".")[:2]) >= (2, 4)
@@ -62,19 +61,10 @@ def test_an_8_bit_round_averages(nodes, patched):
     tensors = [torch.randn(20_000, generator=torch.Generator().manual_seed(seed)) for seed in range(2)]
     mean = (tensors[0] + tensors[1]) / 2
     with hivemind_as(patched):
-        pair = [
-            DecentralizedAverager(
-                [tensor.clone()],
-                dht=node,
-                prefix=f"pytest-int8-{patched}",  # the shared nodes keep the other variant's records
-                compression=Uniform8BitQuantization(),
-                target_group_size=2,
-                min_matchmaking_time=MATCHMAKING,
-                request_timeout=1.5,
-                start=True,
-            )
-            for node, tensor in zip(nodes(2), tensors, strict=True)
-        ]
+        # the shared nodes keep the other variant's records: one prefix each
+        pair = _vector_averagers(
+            nodes(2), tensors, f"pytest-int8-{patched}", compression=Uniform8BitQuantization()
+        )
     try:
         controls = [a.step(wait=False, timeout=MATCHMAKING + 10) for a in pair]
         assert all(len(c.result(timeout=MATCHMAKING - 5)) == 2 for c in controls)

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hivemind.averaging import DecentralizedAverager
 
 from swarm.patches import robust
-from tests.patches.common import MATCHMAKING, PLAIN_OR_PATCHED, hivemind_as
+from tests.patches.common import MATCHMAKING, PLAIN_OR_PATCHED, _vector_averagers, hivemind_as
 
 NODES = 3
 SIZE = 60_000  # numbers per peer: split into the three peers' slices, each reduced by one of them
@@ -23,18 +22,8 @@ def _round(
     senders' parts that the reducers scaled down)."""
     before = robust.clipped_parts()
     with hivemind_as(patched, "robust"):  # the averager processes fork with the reducer as it is now
-        group = [
-            DecentralizedAverager(
-                [v.clone()],
-                dht=node,
-                prefix=f"{prefix}-{patched}",  # the shared nodes keep the other variant's records
-                target_group_size=3,
-                min_matchmaking_time=MATCHMAKING,
-                request_timeout=1.5,
-                start=True,
-            )
-            for node, v in zip(nodes(3), vectors, strict=True)
-        ]
+        # the shared nodes keep the other variant's records: one prefix each
+        group = _vector_averagers(nodes(3), vectors, f"{prefix}-{patched}")
     try:
         pairs = zip(group, weights, strict=True)
         controls = [a.step(weight=w, wait=False, timeout=MATCHMAKING + 10) for a, w in pairs]

@@ -25,7 +25,7 @@ their mean (at most 1.18 times the median distance to the median, for 3 to 8 ran
 more with weights from 0.5 to 1.5), so an honest round gives what hivemind gives, except that a peer with more
 than the median's samples counts as the median. A part ``k`` times further than ``tau`` pulls the result ``k``
 times less than in a mean. With two senders it is always the weighted mean: a robust rule cannot outvote one
-of two.
+of two. Where most parts are equal (the parameters of peers in step, in a state round), it is their value.
 
 The reducer runs in the averager processes, which inherit :data:`RULE` when they fork: :func:`use` sets it
 ("centered_clip", the default, or "mean", hivemind's own) before the averagers start.
@@ -103,8 +103,10 @@ def centered_clip(
     w = capped_weights(w, WEIGHT_CAP)
     total = w.sum()
     centre = _median(rows)
-    tau = tau_factor * float(torch.linalg.vector_norm(rows - centre, dim=1).median())
-    if tau <= 0:  # most rows agree exactly (e.g. parameters of peers in step): their value
+    distances = torch.linalg.vector_norm(rows - centre, dim=1)
+    tau = tau_factor * float(distances.median())
+    if tau <= 0:  # most rows agree exactly (parameters of peers in step): their value; the others count 0
+        scale[used] = (distances == 0).to(scale.dtype)
         return centre.to(parts.dtype), scale
     clip = torch.ones_like(w)
     for _ in range(iterations):

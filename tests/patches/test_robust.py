@@ -99,6 +99,9 @@ def test_centered_clip_figures():
     torch.testing.assert_close(got, (3 * rows[0] - 100 * rows[1]) / 4)
     got, _ = robust.centered_clip(torch.stack([*rows, 1e9 * rows[0]]), torch.tensor([1.0, 1.0, 1.0, 0.0]))
     torch.testing.assert_close(got, stacked.mean(0), rtol=1e-5, atol=1e-7)
+    # most rows equal (parameters of peers in step, one that is not): their value, the other scaled to 0
+    got, scale = robust.centered_clip(torch.stack([rows[0], rows[0], rows[1]]), torch.ones(3))
+    assert torch.equal(got, rows[0]) and scale.tolist() == [1.0, 1.0, 0.0]
     assert robust.capped_weights(torch.tensor([1.0, 2.0, 1e6, 0.0])).tolist() == [1.0, 2.0, 2.0, 0.0]
     with pytest.raises(ValueError, match="unknown aggregation rule 'median'; use one of centered_clip, mean"):
         robust.use("median")

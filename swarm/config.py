@@ -21,7 +21,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DATASETS = ("digits", "cifar10")
 STRATEGIES = ("ddp", "fsdp", "ddp_spawn", "dp", "single")
 AVERAGING = ("gradients", "diloco")
-AGGREGATION = ("centered_clip", "mean")  # swarm/patches/robust.py RULES
+AGGREGATION = ("centered_clip", "mean")  # the rules of swarm/patches/robust.py
 
 
 class ConfigError(ValueError):

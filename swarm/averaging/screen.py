@@ -70,8 +70,10 @@ class RoundScreen:
     def rejected(self) -> int:
         return self.rejected_gradient_rounds + self.rejected_state_rounds + self.rejected_downloads
 
-    def _outsized(self, norm: float, reference: float) -> bool:
-        return self.factor > 0 and reference > 0 and norm > self.factor * reference
+    def _outsized(self, norm: float, reference: float, limit: float | None = None) -> bool:
+        """Whether ``norm`` is more than ``limit`` (by default ``factor``) times ``reference``."""
+        limit = self.factor if limit is None else limit
+        return self.factor > 0 and reference > 0 and norm > limit * reference
 
     def judge_gradients(
         self, averaged: Sequence[torch.Tensor], own: Sequence[torch.Tensor], own_scale: float = 1.0
@@ -148,7 +150,7 @@ class RoundScreen:
         recent = self.part_norms.get(role)
         reference = max([own] + ([statistics.median(recent)] if recent else []))
         limit = self.factor if role == "parameters" else self.factor**2  # statistics of squared gradients
-        if own > 0 and self.factor > 0 and size > limit * reference:
+        if own > 0 and self._outsized(size, reference, limit):
             return (
                 f"the {what} {role} have norm {size:.3g}, {size / reference:.0f}x this peer's reference "
                 f"{reference:.3g} (its own {own:.3g}; the limit is {limit:g}x)"

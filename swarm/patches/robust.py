@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
+from swarm.config import AGGREGATION as RULES
 from swarm.patches._registry import Patch
 
-RULES = ("centered_clip", "mean")
 RULE = "centered_clip"  # read by the reducers of averager processes forked after use()
 TAU_FACTOR = 1.5  # tau: this many times the median distance of the parts to their coordinate-wise median
 WEIGHT_CAP = 1.0  # no sender's weight counts for more than this many times the round's median weight

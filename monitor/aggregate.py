@@ -11,6 +11,7 @@ still count within that window.
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 
 from swarm.net.metrics import ROUND_PARTS, LocalMetrics
@@ -33,6 +34,9 @@ class EpochPoint:
     rejected: int = 0  # peers whose screen refused this epoch's averaged result (swarm/averaging/screen.py)
     data_epoch: float | None = None  # passes over the training set (the peers' own count; the largest)
     gpus: dict[str, tuple[float, float]] = field(default_factory=dict)  # peer -> (GPU memory GB, util %)
+    clipped: int = 0  # senders' parts the peers' robust means scaled down since their last records
+    # groupmate PeerID -> how many of the reporting peers ban it (swarm/averaging/suspects.py)
+    suspects: dict[str, int] = field(default_factory=dict)
 
 
 def aggregate(
@@ -79,6 +83,8 @@ def aggregate(
         rejected,
         max(data_epochs) if data_epochs else None,
         {r.peer_name: (r.gpu_mem_gb, r.gpu_util or 0.0) for r in records if r.gpu_mem_gb is not None},
+        sum(r.round_clipped or 0 for r in records),
+        dict(Counter(peer for r in records for peer in set(r.banned or ()))),
     )
 
 

@@ -12,8 +12,10 @@ from pathlib import Path
 from monitor.aggregate import EpochPoint
 from swarm.config import ExperimentConfig
 from swarm.net.metrics import (
+    ROUND_CLIPPED,
     ROUND_LOCAL,
     ROUND_REJECTED,
+    ROUND_SUSPECTS,
     ROUND_TAGS,
     SWARM_EPOCH,
     SWARM_PEERS,
@@ -87,6 +89,8 @@ class Board:
         if point.rounds:
             add(ROUND_LOCAL, point.local_steps, step)
             add(ROUND_REJECTED, point.rejected, step)
+            add(ROUND_CLIPPED, point.clipped, step)
+            add(ROUND_SUSPECTS, len(point.suspects), step)
         self.writer.flush()
         self.last_step = step
         return True

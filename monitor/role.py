@@ -123,6 +123,40 @@ def _log_point(point: EpochPoint) -> None:
     )
 
 
+def _name_suspects(
+    cfg: ExperimentConfig, dht: Any, point: EpochPoint, named: set, invite: Invite | None
+) -> None:
+    """One warning per groupmate that peers ban (swarm/averaging/suspects.py), with what the owner can do."""
+    for peer, banning in sorted(point.suspects.items()):
+        if ("suspect", peer) in named:
+            continue
+        named.add(("suspect", peer))
+        if invite is None:
+            advice = (
+                "this swarm is open to anyone who has its address: run an invite-only swarm (README, "
+                '"Invite-only swarms") to keep such a peer out for good'
+            )
+        else:
+            from swarm.net.fence import invite_name
+            from swarm.net.node import visible_maddrs
+
+            name = invite_name(dht, invite, peer) or "<its invite's name>"
+            address = (visible_maddrs(dht) or ["<any peer's address>"])[0]
+            advice = (
+                f"it joined with invite {name!r}; the owner revokes it with: swarm-peer revoke --owner-key "
+                f"owner.pem --run-id {cfg.swarm.run_id} --name {name} --initial-peers {address}"
+            )
+        log.warning(
+            "Peer %s is banned by %d of %d peers at global epoch %d: its gradients were far from its "
+            "groupmates' round after round (a peer that sends wrong numbers); %s",
+            peer,
+            banning,
+            point.peers,
+            point.epoch,
+            advice,
+        )
+
+
 def _poll(
     cfg: ExperimentConfig,
     dht: Any,
@@ -131,6 +165,7 @@ def _poll(
     evaluator: Evaluator,
     warned: set,
     final: bool = False,
+    invite: Invite | None = None,
 ) -> None:
     """One poll: read the records, write finished epochs, start an evaluation when one is due.
     The ``final`` poll, when the monitor stops, only files the records; the caller writes what is complete."""
@@ -149,6 +184,7 @@ def _poll(
             written = board.write_point(point)
         if written:
             _log_point(point)
+            _name_suspects(cfg, dht, point, warned, invite)
     if aggregator.newest_epoch >= 0 and evaluator.due(aggregator.newest_epoch):
         evaluator.start()
 
@@ -200,7 +236,7 @@ def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[s
             cfg.monitor.evaluate_every,
         )
         while not stop.event.is_set():
-            _poll(cfg, node.dht, aggregator, board, evaluator, warned)
+            _poll(cfg, node.dht, aggregator, board, evaluator, warned, invite=invite)
             stop.event.wait(cfg.monitor.poll_every)
     except KeyboardInterrupt:
         if not stop.event.is_set():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,6 +139,12 @@ def render(status: SwarmStatus) -> str:
             lines.append(
                 f"  rejected:       {rejected} averaged rounds refused by peers' screens (outsized or "
                 "non-finite updates: a peer sends bad numbers)"
+            )
+        banned = Counter(peer for r in status.records for peer in set(r.banned or ()))
+        for peer, banning in sorted(banned.items()):
+            lines.append(
+                f"  suspect:        {peer} is banned by {banning} of {len(status.records)} peers (its "
+                "gradients were far from its groupmates' round after round)"
             )
         lines.append(f"  {'peer':<20}{'epoch':>7}{'samples/s':>11}{'loss':>9}{'val acc':>12}{'rejected':>10}")
         for r in status.records:

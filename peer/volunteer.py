@@ -7,6 +7,7 @@ what it started, also on errors, Ctrl-C and SIGTERM (what a spot instance gets b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import lightning as L
 import torch
 
 from swarm import patches
+from swarm.averaging import suspects
 from swarm.averaging.strategy import HivemindStrategy, lr_of
 from swarm.config import ExperimentConfig, save_config
 from swarm.layout import volunteer_dir
@@ -64,6 +66,8 @@ class SwarmReporter(L.Callback):
         self.checksums: dict[int, list[float]] = {}
         self.swarm_sps: float | None = None
         self.rounds_shown = 0  # the strategy's rounds already counted in a progress line
+        self.clipped_published = 0  # robust.clipped_parts() at the last record
+        self.bans_logged: set[tuple[str, int]] = set()  # (peer, ban number) already told
         self.last_val: dict[str, Any] | None = None
         self.start_checksum: list[float] | None = None
         self._warned: set = set()
@@ -204,8 +208,30 @@ class SwarmReporter(L.Callback):
             val = self.run_validation(module, epoch)
             entry.update({f"val_{k}": v for k, v in val.items() if k != "epoch"})
         self.history.append(entry)
+        self._note_bans()
         self._publish(entry, val)
         self._reset_window()
+
+    def _banned(self) -> list[Any]:
+        table = robust.suspects()
+        return [s for s in table.suspects() if s.banned_for > 0] if table is not None else []
+
+    def _note_bans(self) -> None:
+        """One warning for each ban this peer's averagers imposed since the last epoch."""
+        for found in self._banned():
+            if (found.peer, found.bans) not in self.bans_logged:
+                self.bans_logged.add((found.peer, found.bans))
+                log.warning(
+                    "Banned peer %s from this peer's groups for %.0f s: %s",
+                    found.peer,
+                    found.banned_for,
+                    suspects.why_banned(found),
+                )
+
+    def _clipped_since_last_record(self) -> int:
+        clipped = robust.clipped_parts()
+        new, self.clipped_published = clipped - self.clipped_published, clipped
+        return max(0, new)
 
     def run_validation(self, module: L.LightningModule, epoch: int) -> dict[str, Any]:
         started = time.perf_counter()
@@ -244,6 +270,8 @@ class SwarmReporter(L.Callback):
             val_samples=int(val.get("samples", 0)),
             target_batch_size=self.cfg.swarm.target_batch_size,
             rejected_rounds=self.strategy.screen.rejected,
+            round_clipped=self._clipped_since_last_record(),
+            banned=[found.peer for found in self._banned()][:16],
             data_epoch=float(entry["data_epoch"]) if self.train_images else None,
             gpu_mem_gb=entry.get("gpu_mem_gb"),
             gpu_util=entry.get("gpu_util"),
@@ -338,6 +366,7 @@ class SwarmReporter(L.Callback):
 
     def summary(self) -> dict[str, Any]:
         done = [h for h in self.history if h["mini_steps"]]
+        table = robust.suspects()
         return {
             "peer_name": self.peer_name,
             "run_id": self.cfg.swarm.run_id,
@@ -379,6 +408,10 @@ class SwarmReporter(L.Callback):
             "rejected_downloads": self.strategy.screen.rejected_downloads,
             # parts of groupmates' slices this peer's robust mean scaled down (swarm/patches/robust.py)
             "clipped_parts": robust.clipped_parts(),
+            # groupmates whose gradients this peer judged far from the rest (swarm/averaging/suspects.py)
+            "suspects": [dataclasses.asdict(found) for found in table.suspects()]
+            if table is not None
+            else [],
             "round_ends": self.strategy.clock.summary() if self.strategy.clock else None,
             "rounds": self.strategy.clock.rounds if self.strategy.clock else [],
             **self._diloco_summary(),

@@ -20,7 +20,7 @@ list of ``kind@epoch`` or ``kind@epochxcount`` items, e.g. ``kill:allreduce@5`` 
   0.66 to 0.89).
 - ``flip_grad@ExN``: the first N local steps from epoch E produce gradients of an honest size pointing
   uphill (-8 times the true gradient): an invited peer that wants the run to fail, within the screen's 10x
-  (what swarm/patches/robust.py is for).
+  (what swarm/patches/robust.py is for). ``flip_grad:K@ExN`` multiplies by -K instead (K a whole number).
 - ``nan_params@E``: the parameters turn NaN right after the averaging that ends epoch E.
 - ``abandon:join@E``: from global epoch E, the first time the gradient averager asks a leader to take it
   into a group, it gives up before the answer, as a follower whose process is starved for longer than
@@ -66,6 +66,7 @@ class Fault:
     epoch: int
     count: int = 1
     relative: bool = False  # epoch counts from the peer's first global epoch
+    scale: float | None = None  # flip_grad:K: the gradients times -K
 
 
 def parse_faults(spec: str | None) -> tuple[Fault, ...]:
@@ -78,12 +79,15 @@ def parse_faults(spec: str | None) -> tuple[Fault, ...]:
         kind, _, when = item.partition("@")
         relative = when.startswith("+")
         epoch, _, count = when.lstrip("+").partition("x")
+        scale = None
+        if kind.startswith("flip_grad:") and kind.partition(":")[2].isdigit():
+            kind, scale = "flip_grad", -float(kind.partition(":")[2])
         if kind not in KINDS or not epoch.isdigit() or (count and not count.isdigit()):
             raise ValueError(
                 f"inject_fault item {item!r} is invalid: expected kind@[+]epoch or kind@[+]epochxcount with "
-                f"kind one of {', '.join(KINDS)}"
+                f"kind one of {', '.join(KINDS)} (flip_grad:K for gradients times -K)"
             )
-        faults.append(Fault(kind, int(epoch), int(count) if count else 1, relative))
+        faults.append(Fault(kind, int(epoch), int(count) if count else 1, relative, scale))
     return tuple(faults)
 
 
@@ -110,7 +114,8 @@ class FaultInjector:
         if not self.started:
             self.started = True
             self.faults = tuple(
-                Fault(f.kind, f.epoch + epoch, f.count) if f.relative else f for f in self.faults
+                Fault(f.kind, f.epoch + epoch, f.count, scale=f.scale) if f.relative else f
+                for f in self.faults
             )
             self._grad_left = {f: f.count for f in self.faults if f.kind in GRAD_KINDS}
 
@@ -143,7 +148,7 @@ class FaultInjector:
             if left > 0 and epoch >= fault.epoch:
                 self._grad_left[fault] = left - 1
                 if fault.kind in ("big_grad", "flip_grad"):
-                    scale = BIG_GRAD_SCALE if fault.kind == "big_grad" else FLIP_GRAD_SCALE
+                    scale = BIG_GRAD_SCALE if fault.kind == "big_grad" else (fault.scale or FLIP_GRAD_SCALE)
                     if left == fault.count:
                         print(
                             f"FAULT INJECTED: gradients x{scale:g} for {fault.count} local steps "

@@ -41,6 +41,17 @@ def test_weighted_means_and_sums():
     assert stale.val_acc is None, "validation of an older epoch is not logged at this epoch"
 
 
+def test_clipped_parts_are_summed_and_suspects_counted_by_the_peers_that_ban_them():
+    records = [
+        rec("a", 4, round_clipped=3, banned=["12D3KooWattacker"]),
+        rec("b", 4, round_clipped=2, banned=["12D3KooWattacker", "12D3KooWother"]),
+        rec("c", 4),  # a peer of an older release, or one that clipped nothing and bans no one
+    ]
+    point = aggregate(4, records, peers=3)
+    assert point.clipped == 5
+    assert point.suspects == {"12D3KooWattacker": 2, "12D3KooWother": 1}
+
+
 def test_epochs_are_released_once_in_order_and_peers_counted():
     agg = EpochAggregator(settle_time=3.0)
     a, b, c = b"a", b"b", b"c"
@@ -111,7 +122,11 @@ def test_board_appends_after_a_restart_without_repeating_steps(tmp_path):
     restarted.write_hparams(cfg)  # a no-op the second time
     assert not restarted.write_point(EpochPoint(3, 3, 30.0, 1.0))
     assert not restarted.write_eval(3, {"acc": 0.9, "acc_top5": 0.9, "loss": 0.1})
-    assert restarted.write_point(EpochPoint(4, 2, 20.0, 1.5, rounds={"end": 0.3}, local_steps=1, rejected=2))
+    banned = {"12D3KooWattacker": 2}
+    point = EpochPoint(
+        4, 2, 20.0, 1.5, rounds={"end": 0.3}, local_steps=1, rejected=2, clipped=5, suspects=banned
+    )
+    assert restarted.write_point(point)
     restarted.close()
 
     acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0}, purge_orphaned_data=False)
@@ -123,6 +138,8 @@ def test_board_appends_after_a_restart_without_repeating_steps(tmp_path):
     assert [(e.step, round(e.value, 6)) for e in acc.Scalars(EVAL_ACC)] == [(3, 0.3)]
     assert [(e.step, e.value) for e in acc.Scalars("round/local_steps")] == [(4, 1.0)]
     assert [(e.step, e.value) for e in acc.Scalars("round/rejected")] == [(4, 2.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("round/clipped")] == [(4, 5.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("round/suspects")] == [(4, 1.0)]
     assert {"train/loss", "swarm/samples_per_second", "swarm/global_epoch", "val/loss"} <= set(
         acc.Tags()["scalars"]
     )
@@ -155,3 +172,18 @@ def test_gpu_figures_and_data_epochs_reach_tensorboard_per_peer(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("sys/gpu_mem_gb/gpu-b")] == [(5, 7.25)]
     assert [(e.step, e.value) for e in acc.Scalars("sys/gpu_util/gpu-a")] == [(5, 97.0)]
     assert [(e.step, round(e.value, 4)) for e in acc.Scalars("train/data_epoch")] == [(5, 0.89)]
+
+
+def test_status_names_the_peers_that_peers_ban():
+    from monitor.status import SwarmStatus, render
+
+    records = [
+        rec("a", 4, banned=["12D3KooWattacker"]),
+        rec("b", 4, banned=["12D3KooWattacker"]),
+        rec("c", 4),
+    ]
+    text = render(SwarmStatus("run", "addr", records=records, reachability="loopback only"))
+    assert (
+        "  suspect:        12D3KooWattacker is banned by 2 of 3 peers (its gradients were far from its "
+        "groupmates' round after round)"
+    ) in text.splitlines(), text

@@ -50,3 +50,67 @@ def test_an_all_zero_part_is_judged_by_finiteness_alone_and_a_rejected_state_tea
     assert list(screen.part_norms["extra tensors"]) == [total_norm(_state(50, 9.14)[1:])]
     # factor 0: only non-finite numbers are rejected
     assert RoundScreen(0.0).judge_state(_state(50, 1.0), _state(5e9, 1e9), ROLES) is None
+
+
+def _pair_round(noise: float, flip: float, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(this peer's gradient, the mean of a round of two with equal samples) where the other peer sends its
+    own honest gradient times ``flip``; both estimate one true gradient of norm 1, off by ``noise`` times."""
+    gen = torch.Generator().manual_seed(seed)
+    true = torch.randn(100_000, generator=gen) / 100_000**0.5
+    mine, theirs = (true + noise * torch.randn(100_000, generator=gen) / 100_000**0.5 for _ in range(2))
+    return [mine], [(mine + flip * theirs) / 2]
+
+
+def test_a_round_of_two_is_judged_by_its_distance_and_direction_from_the_peers_own_gradient():
+    """Where no rule can outvote the other of two, the screen bounds what it can do: honest rounds pass at any
+    noise, a flip at x4 or x8 is rejected, a flip at x1 or x2 passes (a round without progress). Groups of
+    three or more are left to the robust rule."""
+    for noise in (0.1, 1.0, 4.0):  # the gradients' cosine: 0.99, 0.5, 0.06
+        for seed in range(5):
+            own, averaged = _pair_round(noise, 1.0, seed)
+            assert RoundScreen(10.0).judge_gradients(averaged, own, group_size=2) is None
+    for flip in (-8.0, -4.0):
+        for noise in (0.1, 1.0, 4.0):
+            own, averaged = _pair_round(noise, flip, seed=7)
+            reason = RoundScreen(10.0).judge_gradients(averaged, own, group_size=2)
+            assert reason is not None and "in a round of two" in reason, (flip, noise)
+            assert RoundScreen(10.0).judge_gradients(averaged, own, group_size=3) is None
+    own, averaged = _pair_round(1.0, -8.0, seed=7)
+    reason = RoundScreen(10.0).judge_gradients(averaged, own, group_size=2)
+    assert (
+        reason.startswith("in a round of two, the averaged gradient lies 4.3x this peer") and "1.5x" in reason
+    )
+    for flip in (-1.0, -2.0):
+        own, averaged = _pair_round(1.0, flip, seed=7)
+        assert RoundScreen(10.0).judge_gradients(averaged, own, group_size=2) is None
+    # equal length, pointing against this peer's own: the distance alone lets it through, the direction not
+    own = [torch.tensor([1.0, 0.0])]
+    reason = RoundScreen(10.0).judge_gradients([torch.tensor([-0.2, 0.1])], own, group_size=2)
+    assert reason == (
+        "in a round of two, the averaged gradient points against this peer's own (cosine -0.89): the other "
+        "peer's gradient points the other way"
+    ), reason
+
+
+def test_suspects_are_banned_after_three_clipped_rounds_of_their_last_five_for_longer_each_time():
+    from swarm.averaging import suspects
+
+    table = suspects.Suspects()
+    honest, attacker = "12D3KooWhonest", "12D3KooWattacker"
+    # an honest peer clipped now and then (2 of every 5 rounds) is never banned
+    for i in range(50):
+        assert table.record(honest, clipped=i % 5 in (0, 2), now=float(i)) is False
+    assert [table.record(attacker, clipped=True, now=100.0 + i) for i in range(3)] == [False, False, True]
+    assert table.banned_for(attacker, now=103.0) == suspects.BAN_SECONDS - 1
+    assert table.banned_for(honest, now=103.0) == 0.0
+    found = {s.peer: s for s in table.suspects(now=103.0)}
+    assert (found[attacker].clipped, found[attacker].bans) == (3, 1)
+    assert (found[honest].rounds, found[honest].clipped) == (50, 20)
+    # judged afresh after its ban; banned again, for twice as long
+    after = 102.0 + suspects.BAN_SECONDS
+    assert [table.record(attacker, clipped=True, now=after + i) for i in range(3)] == [False, False, True]
+    assert table.banned_for(attacker, now=after + 2) == 2 * suspects.BAN_SECONDS
+    found = {s.peer: s for s in table.suspects(now=after + 2)}
+    assert suspects.why_banned(found[attacker]) == (
+        "its gradient was far from its groupmates' in 6 of 6 gradient rounds (ban 2, 600 s left)"
+    )

@@ -153,6 +153,8 @@ def test_guard_undoes_a_local_update_that_overflows():
         assert torch.equal(p, b) and torch.equal(opt.state[p]["momentum_buffer"], m)
     with pytest.raises(ValueError, match="kill:allreduce"):
         parse_faults("kill:everything@3")
+    (flip,) = parse_faults("flip_grad:4@+2x9")
+    assert (flip.kind, flip.scale, flip.epoch, flip.count, flip.relative) == ("flip_grad", -4.0, 2, 9, True)
 
 
 def test_bf16_autocast_trains_through_hivemind():

@@ -5,10 +5,12 @@
   (swarm/averaging/screen.py);
 - its honest gradient times -8 (``--inject-fault flip_grad``: uphill, of a size the screen lets through)
   into a swarm of two honest peers, with hivemind's weighted mean (``--aggregation mean``) and with the
-  robust mean (the default; swarm/patches/robust.py), and the same two honest peers without an attacker.
+  robust mean (the default; swarm/patches/robust.py), and the same at x -4 and x -1
+  (``flip_grad:K``), and the same two honest peers without an attacker.
 
-Each row: the honest peers' val acc before the attack and after it, and what they rejected. The rows of one
-call run one after another on the same machine."""
+Each row: the honest peers' val acc before the attack and after it, what they rejected and clipped, and
+how long after the attack began each honest peer banned the attacker (swarm/averaging/suspects.py). The
+rows of one call run one after another on the same machine."""
 
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ ROWS = (
     Row("x -10^4 (outsized)", f"big_grad@+2{ALWAYS}", "screen", ()),
     Row("x -8 (sign-flipped)", f"flip_grad@+2{ALWAYS}", "screen, mean", ("--aggregation", "mean"), honest=2),
     Row("x -8 (sign-flipped)", f"flip_grad@+2{ALWAYS}", "screen, robust mean", (), honest=2),
+    Row("x -4 (sign-flipped)", f"flip_grad:4@+2{ALWAYS}", "screen, robust mean", (), honest=2),
+    Row("x -1 (sign-flipped)", f"flip_grad:1@+2{ALWAYS}", "screen, robust mean", (), honest=2),
     Row("none", None, "screen, robust mean", (), honest=2),
 )
 
@@ -82,6 +86,7 @@ def _one(bench: Bench, run_id: str, row: Row) -> None:
             attack = int(
                 attacker.wait_for(r"FAULT INJECTED: .* from global epoch (\d+)", timeout=180).group(1)
             )
+        attack_began = time.time()
         time.sleep(ATTACK_SECONDS)
         codes = [p.stop(grace=60) for p in started[1:]]
     finally:
@@ -103,13 +108,16 @@ def _one(bench: Bench, run_id: str, row: Row) -> None:
         "val_acc_before": before,
         "val_after": after,  # of the first honest peer: (global epochs after the attack began, val loss, acc)
         **{key: sum(x[key] for x in s) for key in REJECTED},
+        # per honest peer: seconds from the attack's first step to its ban of a groupmate (None: no ban)
+        "banned_after_s": [_banned_after(x, attack_began) for x in s],
     }
     bench.record(record)
     end = f"{fmt(after[-1][2])} after {after[-1][0]} epochs (loss {fmt(after[-1][1])})" if after else "-"
     print(
         f"attack {row.attack}, {row.defence}: honest val acc {before} before global epoch {attack}, "
         f"{[acc for _, _, acc in after[:3]]} in the 9 epochs after, {end}; rejected "
-        + ", ".join(f"{record[key]} {key.replace('_', ' ')}" for key in REJECTED),
+        + ", ".join(f"{record[key]} {key.replace('_', ' ')}" for key in REJECTED)
+        + f"; attacker banned after {record['banned_after_s']} s",
         flush=True,
     )
 
@@ -121,6 +129,11 @@ REJECTED = (
     "skipped_nonfinite_steps",
     "clipped_parts",
 )
+
+
+def _banned_after(peer_summary: dict[str, Any], attack_began: float) -> float | None:
+    bans = [x["first_banned"] for x in peer_summary.get("suspects", []) if x["first_banned"]]
+    return round(min(bans) - attack_began, 1) if bans else None
 
 
 def _epoch(peer: Peer) -> int:
@@ -140,6 +153,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
             f"{fmt(end[2])} / {fmt(end[1])} at +{end[0]}" if end else "-",
             f"{r['rejected_gradient_rounds']} / {r['rejected_state_rounds']} / {r['rejected_downloads']}",
             r.get("clipped_parts", "-"),
+            ", ".join("-" if b is None else f"{b:g}" for b in r.get("banned_after_s", [])) or "-",
         ]
 
     header = [
@@ -151,5 +165,6 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
         "val acc / val loss at the end",
         "rejected gradient rounds / state rounds / downloads",
         "parts clipped by the robust mean",
+        "attacker banned after (s), per honest peer",
     ]
     return table(rows, "attack", header, cells)

@@ -23,6 +23,15 @@ times
 - **a state download** (hivemind.Optimizer downloads the newest peer's state whenever this peer falls
   behind): judged like a state averaging round, against the state this peer held before.
 
+- **a gradient round of two**, where no robust rule can outvote the other
+  peer (swarm/patches/robust.py gives the plain weighted mean of two): the averaged gradient must also lie
+  within ``PAIR_RADIUS`` times the reference (above) of this peer's own gradient, and point the same way
+  (a positive inner product). The average of two honest gradients lies half their distance from each; an
+  honest other gradient at most as long as this peer's and not pointing against it is at most 1.41 times
+  the reference away, so the average is at most 0.71 times. A gradient times -8 (or -4) moves it 4.5 (2.5)
+  times the reference, whatever weight it announces. What passes is bounded: within 1.5 times the
+  reference of this peer's own gradient. A flip at x1 or x2 passes, and costs that round its progress.
+
 A rejected round is not applied: for gradients the peer steps on its own gradient of the round (as after
 a failed round), for the state (averaged or downloaded) it keeps its own state. Each rejection is counted
 and logged with its figure. This detects outsized updates; it does not outvote a peer that sends plausible
@@ -51,6 +60,28 @@ def total_norm(tensors: Sequence[torch.Tensor]) -> float:
     return float(torch.linalg.vector_norm(torch.stack([n.cpu() for n in norms])))
 
 
+PAIR_RADIUS = 1.5  # a round of two: the average within this many times the reference of this peer's gradient
+
+
+def _distance(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    """The L2 norm of ``a - b``, one tensor's difference at a time."""
+    pairs = zip(a, b, strict=True)
+    return math.sqrt(
+        sum(
+            float(torch.linalg.vector_norm(x.detach() - y.detach(), dtype=torch.float64)) ** 2
+            for x, y in pairs
+        )
+    )
+
+
+def _inner(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    """The inner product of ``a`` and ``b`` taken as one vector each, accumulated in float64."""
+    pairs = zip(a, b, strict=True)
+    return sum(
+        float((x.detach().double() * y.detach().double()).sum()) for x, y in pairs if x.is_floating_point()
+    )
+
+
 class RoundScreen:
     """Judges averaged results. ``factor`` <= 0 turns every check off except the one for non-finite values."""
 
@@ -76,13 +107,19 @@ class RoundScreen:
         return self.factor > 0 and reference > 0 and norm > limit * reference
 
     def judge_gradients(
-        self, averaged: Sequence[torch.Tensor], own: Sequence[torch.Tensor], own_scale: float = 1.0
+        self,
+        averaged: Sequence[torch.Tensor],
+        own: Sequence[torch.Tensor],
+        own_scale: float = 1.0,
+        group_size: int | None = None,
     ) -> str | None:
         """None if the averaged gradient may be applied, else why not (with the figures). ``own_scale``
         multiplies this peer's own norm where its share of the round was shorter than an honest peer's can
-        be (a DiLoCo peer that took fewer inner steps than the others: swarm/averaging/diloco.py)."""
+        be (a DiLoCo peer that took fewer inner steps than the others: swarm/averaging/diloco.py). A round of
+        ``group_size`` 2 is also judged by its distance and direction from this peer's own gradient."""
         norm, mine = total_norm(averaged), total_norm(own)
         reference = max([mine * own_scale] + ([statistics.median(self.norms)] if self.norms else []))
+        pair = group_size == 2 and self.factor > 0 and reference > 0 and mine > 0
         if not math.isfinite(norm):
             reason = f"the averaged gradient is non-finite (norm {norm})"
         elif self._outsized(norm, reference):
@@ -91,6 +128,17 @@ class RoundScreen:
                 f"{reference:.3g} (own gradient {mine:.3g}"
                 + (f" x {own_scale:.3g}" if own_scale != 1.0 else "")
                 + f"; the limit is {self.factor:g}x)"
+            )
+        elif pair and (away := _distance(averaged, own)) > PAIR_RADIUS * reference:
+            reason = (
+                f"in a round of two, the averaged gradient lies {away / reference:.2g}x this peer's "
+                f"reference {reference:.3g} from its own gradient (the limit is {PAIR_RADIUS:g}x): the other "
+                "peer's gradient is far from this peer's"
+            )
+        elif pair and (cos := _inner(averaged, own) / (norm * mine if norm > 0 else 1.0)) < 0:
+            reason = (
+                "in a round of two, the averaged gradient points against this peer's own "
+                f"(cosine {cos:.2f}): the other peer's gradient points the other way"
             )
         else:
             self.norms.append(norm)

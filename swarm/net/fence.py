@@ -116,6 +116,20 @@ class Fence:
         raise NotInvited(refusal(self.run_id, f"peer {text}", reason))
 
 
+def invite_name(dht: Any, invite: Invite, peer_id: str, timeout: float = 5.0) -> str | None:
+    """The name of the invite that ``peer_id`` joined run ``invite.run_id`` with, read from the member
+    records; None if it has no valid record (or the read failed)."""
+    fence = Fence(invite)
+    try:
+        found = dht.get(members_key(invite.run_id), latest=True, return_future=True).result(timeout)
+    except Exception as exc:
+        log.debug("Could not read the member records: %r", exc)
+        return None
+    if found is not None and isinstance(found.value, dict):
+        fence.learn(found.value)
+    return fence.members.get(peer_id, (None, None))[1]
+
+
 def publish_member(dht: Any, invite: Invite, public_key: bytes, timeout: float = 10.0) -> bool:
     """Store this peer's member record (its PeerID signed with the invite's key), valid for 10 minutes or
     until the invite expires; True if a node took it. Call it again every few minutes."""

@@ -10,7 +10,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
-from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictInt, confloat, conint, constr
+from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictInt, confloat, conint, conlist, constr
 
 if TYPE_CHECKING:
     import hivemind
@@ -30,6 +30,9 @@ ROUND_PARTS = ("end", "matchmaking", "allreduce", "state", "update")
 ROUND_TAGS = {part: f"round/{part}_seconds" for part in ROUND_PARTS}
 ROUND_LOCAL = "round/local_steps"  # peers whose gradient round failed and who stepped on their own gradient
 ROUND_REJECTED = "round/rejected"  # peers whose screen refused an averaged result (swarm/averaging/screen.py)
+# senders' parts that the peers' robust means scaled down (swarm/patches/robust.py), summed over the peers
+ROUND_CLIPPED = "round/clipped"
+ROUND_SUSPECTS = "round/suspects"  # groupmates banned by at least one peer (swarm/averaging/suspects.py)
 
 
 def metrics_key(run_id: str) -> str:
@@ -62,6 +65,10 @@ class LocalMetrics(BaseModel):
     # so far
     round_rejected: StrictBool | None = None
     rejected_rounds: conint(ge=0, strict=True) | None = None
+    # senders' parts that this peer's robust mean scaled down since its last record (swarm/patches/robust.py)
+    round_clipped: conint(ge=0, strict=True) | None = None
+    # the PeerIDs this peer bans now (swarm/averaging/suspects.py), at most 16
+    banned: conlist(constr(max_length=64, strict=True), max_items=16) | None = None
     # passes over the training set: global epochs x target batch / this peer's training images
     data_epoch: confloat(ge=0.0, strict=True) | None = None
     # this peer's GPU (NVML, swarm/training/sysmetrics.py): memory in use in GB and percent of time busy; None

@@ -43,6 +43,13 @@ class KeepsLocalGradients:
         self.gather_hook: Callable[[], Any] | None = None  # what to send with each round's all-gather
         super().__init__(*args, **kwargs)
 
+    def run(self) -> None:
+        # the averager's own process: its reducers judge the senders of gradient rounds (suspects.py)
+        from swarm.patches import robust
+
+        robust.score_senders_here()
+        super().run()
+
     def schedule_step(self, *args: Any, **kwargs: Any) -> Any:
         # every round hivemind.Optimizer starts goes through here (optimizer.py, pre-scheduled or not)
         if self.gather_hook is not None and kwargs.get("gather") is None:

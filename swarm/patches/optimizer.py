@@ -333,19 +333,56 @@ def screen_rounds(opt: Any, screen: Any, on_rejected: Any, own_scale: Any = None
     samples)`` is called for each rejected round (kind "gradient", "state" or "download"); ``own_scale()``, if
     given, is the factor on this peer's own gradient norm for the round being judged."""
     load, averager = opt._load_averaged_gradients_into_optimizer_, opt.grad_averager
+    average = opt._average_gradients_and_load_into_optimizer
+    round_control: list[Any] = [None]
+
+    def average_keeping(control: Any) -> Any:
+        round_control[0] = control
+        try:
+            return average(control)
+        finally:
+            round_control[0] = None
 
     def load_screened() -> None:
         if isinstance(averager, KeepsLocalGradients) and averager.holds_round_result:
+            group = _group_of(round_control[0])
             with torch.no_grad(), averager.get_tensors() as averaged:
                 scale = 1.0 if own_scale is None else own_scale()
-                reason = screen.judge_gradients(averaged, averager.own_gradients, own_scale=scale)
+                reason = screen.judge_gradients(
+                    averaged, averager.own_gradients, own_scale=scale, group_size=len(group) or None
+                )
+            if len(group) == 2:  # the robust rule cannot judge the other of two: this screen does
+                _judge_other(group, opt.dht.peer_id, rejected=reason is not None)
             if reason is not None:
                 averager.use_own_gradients()
                 on_rejected("gradient", reason, averager.own_samples)
         load()
 
+    opt._average_gradients_and_load_into_optimizer = average_keeping
     opt._load_averaged_gradients_into_optimizer_ = load_screened
     opt.state_averager.screen, opt.state_averager.on_rejected = screen, on_rejected
+
+
+def _group_of(control: Any) -> list[Any]:
+    """The PeerIDs of the group of a finished round (hivemind's StepControl: its result is what each member
+    sent with the all-gather, by PeerID); empty if unknown."""
+    try:
+        if control is not None and control.done() and not control.cancelled() and not control.exception():
+            return list(control.result())
+    except Exception:
+        pass
+    return []
+
+
+def _judge_other(group: list[Any], own: Any, rejected: bool) -> None:
+    """A round of two, judged by the screen: one judged round of the other (swarm/averaging/suspects.py)."""
+    from swarm.patches import robust
+
+    suspects = robust.suspects()
+    if suspects is not None:
+        for peer in group:
+            if peer != own:
+                suspects.record(str(peer), clipped=rejected)
 
 
 def number_steps_by_epoch(state_averager: Any, optimizer: torch.optim.Optimizer) -> Any:

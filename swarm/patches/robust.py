@@ -48,6 +48,10 @@ WEIGHT_CAP = 1.0  # no sender's weight counts for more than this many times the 
 ITERATIONS = 20  # at most; it stops once the centre moves by less than TOLERANCE of tau
 TOLERANCE = 1e-4
 _clipped: Any = None  # mp.Value: senders' parts scaled down by this process's averagers (forked: shared)
+_suspects: Any = (
+    None  # swarm.averaging.suspects.Suspects, shared by the averager processes forked after install
+)
+_SCORING = False  # True in a gradient averager's process: its reducers judge senders (score_senders_here)
 
 
 def use(rule: str) -> None:
@@ -128,7 +132,9 @@ def _reducer_class(counter: Any) -> type:
         :data:`RULE` once all have arrived (or failed)."""
 
         def reset_accumulators(self) -> None:
-            self._kept: list[tuple[torch.Tensor, float]] = []
+            self._kept: list[tuple[torch.Tensor, float, int]] = []
+            # per sender index: (sum of the scales of its parts, parts) in this round, where 3 or more sent
+            self.__dict__.setdefault("sender_scales", {})
             super().reset_accumulators()
 
         async def accumulate_part(
@@ -150,7 +156,7 @@ def _reducer_class(counter: Any) -> type:
             assert part_index == self.current_part_index
             current_part_future = self.current_part_future
             if part_index < self.sender_failed_after[sender_index]:
-                self._kept.append((tensor_part, float(weight)))
+                self._kept.append((tensor_part, float(weight), sender_index))
                 self.current_part_accumulated_from += 1
                 self.denominator += weight
                 self.check_current_part_finished()
@@ -165,31 +171,81 @@ def _reducer_class(counter: Any) -> type:
             if not kept:
                 result = torch.zeros(shape)
             elif RULE == "mean":
-                result = sum(t.to(torch.float32) * w for t, w in kept) / self.denominator
+                result = sum(t.to(torch.float32) * w for t, w, _ in kept) / self.denominator
             else:
-                parts = torch.stack([t.reshape(-1).to(torch.float32) for t, _ in kept])
-                weights = torch.tensor([w for _, w in kept])
+                parts = torch.stack([t.reshape(-1).to(torch.float32) for t, _, _ in kept])
+                weights = torch.tensor([w for _, w, _ in kept])
                 flat, scale = centered_clip(parts, weights)
                 clipped = int((scale < 1).sum())
                 if clipped and counter is not None:
                     with counter.get_lock():
                         counter.value += clipped
+                if len(kept) >= 3 and float(weights.min()) > 0:
+                    for (_, _, sender), factor in zip(kept, scale.tolist(), strict=True):
+                        total, count = self.sender_scales.get(sender, (0.0, 0))
+                        self.sender_scales[sender] = (total + factor, count + 1)
                 result = flat.reshape(shape)
             self.current_part_future.set_result(result)
             self.reset_accumulators()
+
+        def finalize(self) -> None:
+            if not self.finished.is_set():
+                _judge_senders(self)
+            super().finalize()
 
     RobustPartReducer.__name__ = RobustPartReducer.__qualname__ = "TensorPartReducer"
     return RobustPartReducer
 
 
+def score_senders_here() -> None:
+    """Called in a gradient averager's process as it starts: its reducers judge the senders of each round
+    (swarm/averaging/suspects.py). State rounds are not judged."""
+    global _SCORING
+    _SCORING = True
+
+
+def _judge_senders(reducer: Any) -> None:
+    """After a round (``reducer`` finished, for a runner that named its senders): each groupmate whose parts
+    this peer reduced gets one judged round, clipped if its parts were scaled by less than SUSPECT_SCALE on
+    average."""
+    from swarm.averaging.suspects import SUSPECT_SCALE
+
+    scales, senders = reducer.__dict__.get("sender_scales"), reducer.__dict__.get("sender_peer_ids")
+    if not (_SCORING and scales and senders and _suspects is not None):
+        return
+    for index, (total, count) in scales.items():
+        if senders[index] != reducer.own_peer_id and count:
+            _suspects.record(str(senders[index]), total / count < SUSPECT_SCALE)
+
+
 def _targets() -> list[tuple[Any, str, Any]]:
-    """Count from now on; the averager processes started afterwards inherit the counter."""
-    global _clipped
+    """Count from now on; the averager processes started afterwards inherit the counter and the suspects."""
+    global _clipped, _suspects
     from hivemind.averaging import allreduce
+
+    from swarm.averaging.suspects import Suspects
 
     if _clipped is None:
         _clipped = mp.get_context("fork").Value("q", 0)
-    return [(allreduce, "TensorPartReducer", _reducer_class(_clipped))]
+    if _suspects is None:
+        _suspects = Suspects()
+    init = allreduce.AllReduceRunner.__init__
+
+    def init_naming_senders(self: Any, *args: Any, **kwargs: Any) -> None:
+        """hivemind's ``AllReduceRunner.__init__``; its reducer learns who the senders are (to judge them)."""
+        init(self, *args, **kwargs)
+        reducer = self.tensor_part_reducer
+        reducer.sender_peer_ids, reducer.own_peer_id = list(self.sender_peer_ids), self.peer_id
+
+    return [
+        (allreduce, "TensorPartReducer", _reducer_class(_clipped)),
+        (allreduce.AllReduceRunner, "__init__", init_naming_senders),
+    ]
+
+
+def suspects() -> Any:
+    """This peer's :class:`swarm.averaging.suspects.Suspects` (None before the patch was first installed)."""
+    return _suspects
 
 
 def clipped_parts() -> int:

@@ -15,6 +15,9 @@ groups, send it parts, or download its state.
 ``check(peer_id, dht, role)`` that raises :class:`Refused`); every averager built on that DHT afterwards
 serves only callers that pass the gate, and calls only peers that pass it. A refusal is logged by the gate
 (once per peer), not by hivemind with a traceback. swarm/net/fence.py is the gate of an invite-only swarm.
+Every averager also refuses, and does not call, the groupmates that its peer banned
+(swarm/averaging/suspects.py, kept by swarm/patches/robust.py), in open and invite-only swarms alike: that
+keeps a banned peer out of this peer's groups and keeps this peer from downloading its state.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
 
 from swarm.patches._registry import Patch
 
+log = logging.getLogger(__name__)
 _GATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DHT -> gate; forked into each averager
 _PROCESS: tuple[Any, Any] | None = None  # (gate, DHT) in the process of an averager built on a guarded DHT
 
@@ -43,6 +47,35 @@ def guard(dht: Any, gate: Any) -> None:
 
 def unguard(dht: Any) -> None:
     _GATES.pop(dht, None)
+
+
+class Banned(Refused):
+    """This peer banned the other for a while (swarm/averaging/suspects.py)."""
+
+
+class _Banning:
+    """The gate of an averager process: refuses the peers that this peer banned, then asks ``gate`` (an
+    invite-only swarm's; None in an open swarm)."""
+
+    def __init__(self, gate: Any, suspects: Any) -> None:
+        self._gate, self._suspects = gate, suspects
+        self._warned: set[tuple[str, int]] = set()
+
+    async def check(self, peer_id: Any, dht: Any, role: str) -> None:
+        text = str(peer_id)
+        left = self._suspects.banned_for(text)
+        if left > 0:
+            why = (
+                f"peer {text} is banned by this peer for {left:.0f} s more: its gradients were far from its "
+                "groupmates'"
+            )
+            found = next((s for s in self._suspects.suspects() if s.peer == text), None)
+            if found is not None and (text, found.bans) not in self._warned:
+                self._warned.add((text, found.bans))
+                log.warning("Refused %s: %s", role, why)
+            raise Banned(why)
+        if self._gate is not None:
+            await self._gate.check(peer_id, dht, role)
 
 
 class _GuardedHandlers:
@@ -75,7 +108,7 @@ class _GuardedStub:
             return method
 
         async def guarded(*args: Any, **kwargs: Any) -> Any:
-            await self._gate.check(self._peer, self._dht, f"to call {name} of an uninvited peer")
+            await self._gate.check(self._peer, self._dht, f"to call {name} of another peer")
             return await method(*args, **kwargs)
 
         return guarded
@@ -96,7 +129,11 @@ def _targets() -> list[tuple[Any, str, Any]]:
 
     def guarded_run(self: Any) -> None:
         global _PROCESS
-        gate = _GATES.get(self.dht)
+        from swarm.patches import robust
+
+        gate, suspects = _GATES.get(self.dht), robust.suspects()
+        if suspects is not None:
+            gate = _Banning(gate, suspects)
         if gate is not None:
             _PROCESS = (gate, self.dht)
         run(self)

@@ -126,9 +126,15 @@ def _screened_gradient_pair(dhts, prefix: str, own_scale=None, request_timeout: 
     b = allreduce.packing(GradientAverager)(list(net_b.parameters()), dht=node_b, **common)
     screen, rejected, loaded = RoundScreen(10.0), [], []
     opt = SimpleNamespace(
+        dht=node_a,
         grad_averager=a,
         state_averager=SimpleNamespace(),
         _load_averaged_gradients_into_optimizer_=lambda: loaded.append(True),
+    )
+    # as hivemind.Optimizer does it (optim/optimizer.py:593-610): wait for the round, then load its result
+    opt._average_gradients_and_load_into_optimizer = lambda control: (
+        control.result(),
+        opt._load_averaged_gradients_into_optimizer_(),
     )
     wiring.screen_rounds(opt, screen, lambda *args: rejected.append(args), own_scale=own_scale)
     try:
@@ -151,7 +157,10 @@ def _screened_round(pair, a_grads: tuple[float, int], b_grads: tuple[float, int]
     b.accumulate_grads_(batch_size=b_grads[1])
     controls = [x.step(wait=False, timeout=MATCHMAKING + 10) for x in (a, b)]
     assert all(len(c.result(timeout=MATCHMAKING - 5)) == 2 for c in controls)
-    opt._load_averaged_gradients_into_optimizer_()
+    if hasattr(opt, "_average_gradients_and_load_into_optimizer"):
+        opt._average_gradients_and_load_into_optimizer(controls[0])
+    else:  # hivemind's own loading alone
+        opt._load_averaged_gradients_into_optimizer_()
     return own, theirs
 
 

@@ -242,6 +242,40 @@ def test_a_diloco_peer_after_one_inner_step_accepts_the_mean_of_peers_that_took_
 
 
 @PLAIN_OR_PATCHED
+def test_in_a_round_of_two_a_gradient_far_from_the_peers_own_is_rejected(dhts, patched):
+    """Item 7 in a round of two, where no robust rule can outvote the other peer (swarm/patches/robust.py
+    gives the plain mean of two). First B is honest (another batch's gradient): A applies the mean. Then B
+    sends A's own gradient times -8: the mean, -3.5 times A's gradient, is within the screen's 10x, and plain
+    hivemind applies it. With the screen A rejects it (it lies 4.5 times A's reference from A's own
+    gradient), steps on its own gradient, and counts a clipped round of B (swarm/averaging/suspects.py)."""
+    from swarm.patches import robust
+
+    with _screened_gradient_pair(dhts, f"pytest-rounds-pair-{patched}") as pair:
+        nets, (a, b), screened, screen, rejected, loaded = pair
+        if not patched:  # hivemind's own loading, with no screen before it
+            plain = SimpleNamespace(_load_averaged_gradients_into_optimizer_=lambda: loaded.append(True))
+            pair = (nets, (a, b), plain, screen, rejected, loaded)
+        else:
+            robust.suspects().clear()
+        own, theirs = _screened_round(pair, (1.0, 4), (1.0, 4), seed=3, b_seed=13)
+        _assert_a_holds(pair, [(g + h) / 2 for g, h in zip(own, theirs, strict=True)])
+        own, theirs = _screened_round(pair, (1.0, 4), (-8.0, 4), seed=4, b_seed=4)  # B: A's gradient x -8
+        mean = [(g + h) / 2 for g, h in zip(own, theirs, strict=True)]
+        assert total_norm(mean) / total_norm(own) == pytest.approx(3.5, rel=1e-4)
+        if not patched:
+            _assert_a_holds(pair, mean)  # applied: a step uphill, 3.5 times as long as A's own
+            assert not rejected
+            return
+        _assert_a_holds(pair, own)
+        ((kind, reason, samples),) = rejected
+        assert kind == "gradient" and samples == 4, rejected
+        assert "in a round of two" in reason and "4.5x this peer's reference" in reason, reason
+        (suspect,) = robust.suspects().suspects()
+        assert suspect.peer == str(b.peer_id) and (suspect.rounds, suspect.clipped) == (2, 1), suspect
+        assert suspect.banned_for == 0
+
+
+@PLAIN_OR_PATCHED
 def test_a_round_that_names_a_stranger_skips_the_epochs_state_round(dhts, patched):
     """Item 11. A gradient round ends naming groupmate C a stranger (it never learnt of the group), and the
     epoch ends as hivemind.Optimizer ends it (``_update_global_epoch``), with two peers counted. Plain

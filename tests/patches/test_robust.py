@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.patches import robust
+from swarm import patches
+from swarm.averaging import suspects
+from swarm.patches import matchmaking, robust
 from tests.patches.common import MATCHMAKING, PLAIN_OR_PATCHED, _vector_averagers, hivemind_as
 
 NODES = 3
@@ -44,12 +46,14 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(a @ b / (a.norm() * b.norm()))
 
 
-def _gradients(seed: int, count: int, noise: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _gradients(
+    seed: int, count: int, noise: float, size: int = SIZE
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The true gradient (norm 1) and ``count`` honest estimates of it, each off by ``noise`` times its
     norm."""
     gen = torch.Generator().manual_seed(seed)
-    true = torch.randn(SIZE, generator=gen) / SIZE**0.5
-    return true, [true + noise * torch.randn(SIZE, generator=gen) / SIZE**0.5 for _ in range(count)]
+    true = torch.randn(size, generator=gen) / size**0.5
+    return true, [true + noise * torch.randn(size, generator=gen) / size**0.5 for _ in range(count)]
 
 
 @PLAIN_OR_PATCHED
@@ -83,6 +87,50 @@ def test_a_peer_sending_its_gradient_times_minus_8_cannot_turn_the_round_uphill(
     else:
         assert _cos(got, true) < -0.6, _cos(got, true)
         assert clipped == 0
+
+
+def test_a_peer_clipped_round_after_round_is_banned_and_left_out_of_the_next_groups(nodes, monkeypatch):
+    """swarm/averaging/suspects.py on real averagers: two honest peers and one that sends its gradient times
+    -8 average round after round. The honest reducers clip the attacker's parts each round; once it has
+    BAN_AFTER clipped rounds among its last WINDOW, it is banned: the next round's group is the two honest
+    peers (the attacker's requests are refused, and nobody calls it). The three averagers here share one
+    table (they are forked from this process, as a peer's own averagers share theirs), so each round the
+    attacker is judged by both honest reducers: banned after the second round."""
+    monkeypatch.setattr(robust, "_SCORING", True)  # as in a gradient averager's process
+    # large enough that each of the three reduces a slice (hivemind gives a small vector to one reducer)
+    _, (a, b, c) = _gradients(seed=5, count=3, noise=0.5, size=1_200_000)
+    vectors = [a, b, -8 * c]
+    with patches.installed():
+        table = robust.suspects()
+        table.clear()
+        group = _vector_averagers(nodes(3), vectors, "pytest-robust-ban")
+        try:
+            attacker = str(group[2].peer_id)
+            rounds = 0
+            while table.banned_for(attacker) == 0:
+                assert rounds < suspects.BAN_AFTER, table.suspects()
+                for averager, vector in zip(group, vectors, strict=True):
+                    with averager.get_tensors() as held:
+                        held[0].copy_(vector)
+                controls = [x.step(weight=64.0, wait=False, timeout=MATCHMAKING + 10) for x in group]
+                assert all(len(c.result(timeout=MATCHMAKING - 5)) == 3 for c in controls)
+                rounds += 1
+            assert rounds == 2
+            (found,) = table.suspects()  # the honest peers: never clipped
+            assert found.peer == attacker and found.clipped >= suspects.BAN_AFTER and found.bans == 1, found
+            assert suspects.BAN_SECONDS - 60 < found.banned_for <= suspects.BAN_SECONDS
+            sent: dict = {}
+            for averager in group[:2]:
+                matchmaking.set_target_group_size(averager, 2, sent)
+            # the attacker looks too (for a group of 3 that it will not find); the honest groups close at 2
+            controls = [x.step(weight=64.0, wait=False, timeout=MATCHMAKING + 10) for x in group]
+            honest = {str(x.peer_id) for x in group[:2]}
+            for control in controls[:2]:
+                assert {str(p) for p in control.result(timeout=MATCHMAKING - 5)} == honest
+        finally:
+            for averager in group:
+                averager.shutdown()
+            table.clear()
 
 
 def test_centered_clip_figures():

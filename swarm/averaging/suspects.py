@@ -1,0 +1,154 @@
+"""Suspects: groupmates whose gradients this peer found far from the rest, round after round, and the local
+ban that keeps them out of this peer's groups for a while.
+
+Two places judge a groupmate's gradient, one round at a time:
+
+- **a reducer** (swarm/patches/robust.py): in a gradient round of three or more senders, the peer that
+  reduces a slice knows how far CenteredClip scaled each sender's part down. A sender whose parts of the
+  round were scaled by less than ``SUSPECT_SCALE`` on average had a *clipped round*. An honest sender's part
+  is rarely clipped at all, and then by little (its distance is close to the median distance); an attacker's
+  gradient of the wrong sign and several times the honest size is scaled to a small fraction each round.
+- **the round screen** (swarm/averaging/screen.py): in a gradient round of two, where no rule can outvote
+  the other peer, a round whose average it rejects is a clipped round of the other peer.
+
+State rounds are not judged here: a peer that stepped alone for a few epochs differs from a group in step,
+and the robust rule then counts it as clipped although it is honest.
+
+A groupmate with ``BAN_AFTER`` clipped rounds among its last ``WINDOW`` judged rounds is banned for
+``BAN_SECONDS`` (each later ban of the same peer lasts twice as long as the one before, up to
+``MAX_BAN_SECONDS``): this peer's averagers refuse its requests and do not call it
+(swarm/patches/rpc_guard.py), so matchmaking forms groups without it. The ban is this peer's own; the others
+judge for themselves.
+
+The table lives in memory shared by the training process and the averager processes it forks (a
+fixed number of slots; the oldest unbanned peer makes room for a new one).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import time
+from dataclasses import dataclass
+
+SUSPECT_SCALE = 0.5  # a sender's parts of a round scaled by less than this on average: a clipped round
+WINDOW = 5  # the last judged rounds of a groupmate that count
+BAN_AFTER = 3  # clipped rounds among the last WINDOW that ban it
+BAN_SECONDS = 300.0  # the first ban; each later one of the same peer lasts twice as long as the one before
+MAX_BAN_SECONDS = 3600.0
+SLOTS = 256
+_PEER_BYTES = 64  # a PeerID in base58 has 46-53 characters
+
+
+class _Slot(ctypes.Structure):
+    _fields_ = [
+        ("peer", ctypes.c_char * _PEER_BYTES),
+        ("rounds", ctypes.c_int64),  # judged rounds
+        ("clipped", ctypes.c_int64),  # of which clipped
+        ("recent", ctypes.c_uint32),  # bit i: the i-th last judged round was clipped
+        ("seen", ctypes.c_double),  # when last judged (time.monotonic: one clock for all processes)
+        ("banned_until", ctypes.c_double),
+        ("bans", ctypes.c_int64),
+        ("first_banned", ctypes.c_double),  # when it was first banned (time.time()); 0 if never
+    ]
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """What this peer holds against one groupmate."""
+
+    peer: str
+    rounds: int
+    clipped: int
+    recent_clipped: int  # among its last WINDOW judged rounds
+    bans: int
+    banned_for: float  # seconds left of its ban; 0 if not banned
+    first_banned: float  # when this peer first banned it (seconds since the epoch); 0 if never
+
+
+class Suspects:
+    """The shared table. Build it before the averager processes fork."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("fork")
+        self._slots = ctx.RawArray(_Slot, SLOTS)
+        self._lock = ctx.Lock()
+
+    def _find(self, key: bytes, create: bool, now: float) -> _Slot | None:
+        free = oldest = None
+        for slot in self._slots:
+            if slot.peer == key:
+                return slot
+            if not slot.peer:
+                free = free if free is not None else slot
+            elif slot.banned_until <= now and (oldest is None or slot.seen < oldest.seen):
+                oldest = slot
+        if not create:
+            return None
+        slot = free if free is not None else oldest
+        if slot is None:  # every slot holds a banned peer
+            return None
+        ctypes.memset(ctypes.addressof(slot), 0, ctypes.sizeof(_Slot))
+        slot.peer = key
+        return slot
+
+    def record(self, peer: str, clipped: bool, now: float | None = None) -> bool:
+        """Count one judged round of ``peer``; True if this round got it banned."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            slot = self._find(_key(peer), True, now)
+            if slot is None:
+                return False
+            slot.rounds += 1
+            slot.clipped += int(clipped)
+            slot.recent = ((slot.recent << 1) | int(clipped)) & ((1 << WINDOW) - 1)
+            slot.seen = now
+            if slot.banned_until > now or bin(slot.recent).count("1") < BAN_AFTER:
+                return False
+            slot.banned_until = now + min(MAX_BAN_SECONDS, BAN_SECONDS * 2**slot.bans)
+            slot.bans += 1
+            slot.first_banned = slot.first_banned or time.time()
+            slot.recent = 0  # judged afresh after the ban
+            return True
+
+    def banned_for(self, peer: str, now: float | None = None) -> float:
+        """Seconds left of ``peer``'s ban; 0 if it is not banned."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            slot = self._find(_key(peer), False, now)
+            return max(0.0, slot.banned_until - now) if slot is not None else 0.0
+
+    def suspects(self, now: float | None = None) -> list[Suspect]:
+        """Every groupmate with a clipped round, most clipped first."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            found = [
+                Suspect(
+                    peer=slot.peer.decode(),
+                    rounds=slot.rounds,
+                    clipped=slot.clipped,
+                    recent_clipped=bin(slot.recent).count("1"),
+                    bans=slot.bans,
+                    banned_for=max(0.0, slot.banned_until - now),
+                    first_banned=slot.first_banned,
+                )
+                for slot in self._slots
+                if slot.peer and slot.clipped
+            ]
+        return sorted(found, key=lambda s: (-s.clipped, s.peer))
+
+    def clear(self) -> None:
+        with self._lock:
+            ctypes.memset(ctypes.addressof(self._slots), 0, ctypes.sizeof(self._slots))
+
+
+def _key(peer: str) -> bytes:
+    return peer.encode()[:_PEER_BYTES]
+
+
+def why_banned(suspect: Suspect) -> str:
+    """One line: why this peer keeps ``suspect`` out of its groups."""
+    return (
+        f"its gradient was far from its groupmates' in {suspect.clipped} of {suspect.rounds} gradient rounds "
+        f"(ban {suspect.bans}, {suspect.banned_for:.0f} s left)"
+    )

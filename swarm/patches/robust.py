@@ -124,6 +124,18 @@ def centered_clip(
     return centre.to(parts.dtype), scale
 
 
+def _judged_scales(scale: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The scales by which senders are judged (swarm/averaging/suspects.py): a sender with fewer samples than
+    the round's median sends a noisier gradient, further from the others by about the square root of the
+    ratio, and its scale is divided by that root (at most 1). A sender that announces few samples to escape
+    judgement pulls the mean that much less."""
+    positive = weights[weights > 0]
+    if positive.numel() == 0:
+        return scale
+    share = (weights / _median(positive.unsqueeze(1))).clamp(min=1e-12, max=1.0)
+    return (scale / share.sqrt()).clamp(max=1.0)
+
+
 def _reducer_class(counter: Any) -> type:
     from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 
@@ -181,7 +193,8 @@ def _reducer_class(counter: Any) -> type:
                     with counter.get_lock():
                         counter.value += clipped
                 if len(kept) >= 3 and float(weights.min()) > 0:
-                    for (_, _, sender), factor in zip(kept, scale.tolist(), strict=True):
+                    judged = _judged_scales(scale, weights).tolist()
+                    for (_, _, sender), factor in zip(kept, judged, strict=True):
                         total, count = self.sender_scales.get(sender, (0.0, 0))
                         self.sender_scales[sender] = (total + factor, count + 1)
                 result = flat.reshape(shape)

@@ -231,6 +231,11 @@ def test_invited_peers_average_and_an_uninvited_client_is_refused_everywhere(inv
         with averager.get_tensors() as (tensor,):
             assert torch.allclose(tensor, torch.full((1000,), 2.0))
 
+    # what the monitor names a banned peer by: the invite it joined with, from the member records
+    alice = load_invite(invites["alice"])
+    assert fence.invite_name(a.dht, alice, str(b.dht.peer_id)) == "bob"
+    assert fence.invite_name(a.dht, alice, "12D3KooWnobody") is None
+
     seen = _plain_client(a.dht)
     assert seen["read"] == "nothing"  # the member records of a and b are there, but not for it
     for entry in ("join_group", "aggregate_part", "download_state"):

@@ -187,3 +187,21 @@ def test_status_names_the_peers_that_peers_ban():
         "  suspect:        12D3KooWattacker is banned by 2 of 3 peers (its gradients were far from its "
         "groupmates' round after round)"
     ) in text.splitlines(), text
+
+
+def test_the_monitor_names_each_banned_peer_once_with_what_to_do(caplog):
+    """An open swarm: the advice is an invite-only swarm (an invite-only one names the invite and the revoke
+    command, read from the member records: tests/test_invite.py)."""
+    from monitor.role import _name_suspects
+
+    cfg = build_config("demo")
+    point = EpochPoint(41, 3, 30.0, 1.0, rounds={"end": 0.3}, suspects={"12D3KooWattacker": 2})
+    named: set = set()
+    with caplog.at_level("WARNING", logger="monitor.role"):
+        _name_suspects(cfg, None, point, named, invite=None)
+        _name_suspects(cfg, None, point, named, invite=None)  # once per peer
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(
+        "Peer 12D3KooWattacker is banned by 2 of 3 peers at global epoch 41: its gradients were far from its "
+        "groupmates' round after round (a peer that sends wrong numbers); this swarm is open to anyone"
+    ), line

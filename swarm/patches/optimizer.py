@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from swarm.patches import progress
+from swarm.patches import progress, robust
 from swarm.patches.grad_averager import KeepsLocalGradients
 from swarm.patches.state_averager import lock_updates
 
@@ -104,6 +104,9 @@ def wire(opt: Any, wiring: Wiring) -> Wired:
     never_cancel_rounds(opt)  # items 5 and 10
     download_the_epoch_it_names(opt)  # item 13
     progress.throttle_progress_reports(opt.tracker, wiring.report_every)  # item 6
+    suspects = robust.suspects()
+    if suspects is not None:  # item 21: a banned peer is not counted in this peer's swarm
+        progress.leave_out_banned(opt.tracker, lambda peer: suspects.banned_for(peer) > 0)
     wired.last_read = progress.read_soon_while_speeds_unknown(opt.tracker)  # items 14 and 19
     if not wiring.diloco:  # a DiLoCo peer takes its H local steps; an estimate would cut them short
         progress.expect_the_swarm(opt.tracker, wired.last_read)  # item 15
@@ -376,8 +379,6 @@ def _group_of(control: Any) -> list[Any]:
 
 def _judge_other(group: list[Any], own: Any, rejected: bool) -> None:
     """A round of two, judged by the screen: one judged round of the other (swarm/averaging/suspects.py)."""
-    from swarm.patches import robust
-
     suspects = robust.suspects()
     if suspects is not None:
         for peer in group:

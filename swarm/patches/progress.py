@@ -25,6 +25,7 @@ otherwise at most one record per interval. :func:`read_soon_while_speeds_unknown
 ``min_refresh_period`` ahead when no speed (or no record) is known. :func:`expect_the_swarm` sets a new
 epoch's estimate from the summed speed of the last read. :func:`read_within` and :func:`meet_peers` bring a
 read forward for a peer that waits (DiLoCo after its inner steps; ``--min-peers`` before the first step).
+:func:`leave_out_banned` reads the swarm without the peers that this peer banned.
 
 These wrap methods of one running ``ProgressTracker``; nothing here is process-wide. The tracker keeps what
 item 15 needs in a :class:`LastRead` that the wrappers share.
@@ -114,6 +115,30 @@ class LastRead:
 
     speed: float = 0.0
     peers: int = 0
+
+
+def leave_out_banned(tracker: Any, banned: Any) -> None:
+    """On one running ``ProgressTracker``: the records of peers for which ``banned(peer_id_text)`` is true
+    are left out of every read (swarm/averaging/suspects.py). Left in, a banned peer still counts in
+    ``num_peers``, so this peer looks for a group of two that cannot form and waits its whole matchmaking time
+    every epoch, and its claimed samples still count toward the swarm's target. Call before the other
+    wrappers of ``_parse_swarm_progress_data``, so that they see what it leaves."""
+    from hivemind.p2p import PeerID
+
+    parse = tracker._parse_swarm_progress_data
+
+    def kept(entry: Any) -> bool:
+        try:
+            return not banned(PeerID(entry.value["peer_id"]).to_base58())
+        except Exception:  # hivemind's own parsing judges a malformed record
+            return True
+
+    def parsed(metadata: Any) -> Any:
+        if isinstance(metadata, dict):
+            metadata = {key: entry for key, entry in metadata.items() if kept(entry)}
+        return parse(metadata)
+
+    tracker._parse_swarm_progress_data = parsed
 
 
 def read_soon_while_speeds_unknown(

@@ -274,3 +274,28 @@ def test_a_new_epoch_expects_the_swarm_at_the_speed_of_the_last_read(dhts, patch
         else:
             assert expected == float("inf"), expected
         assert not ready and a.global_progress.samples_accumulated == 0
+
+
+@PLAIN_OR_PATCHED
+def test_a_banned_peer_is_left_out_of_the_swarms_progress(dhts, patched):
+    """leave_out_banned. B has samples and a record; A's reads count it (two peers, B's samples) on plain
+    hivemind. With B banned by A (swarm/averaging/suspects.py), A's reads leave B's record out: one peer, none
+    of B's samples, so A neither looks for a group that B cannot join nor counts B's claims toward the
+    target."""
+    with _two_trackers(dhts, f"pytest-rounds-banned-{patched}", 10**6, patched) as (a, b):
+        if patched:
+            progress.leave_out_banned(a, lambda peer: peer == b.dht.peer_id.to_base58())
+        a.report_local_progress(0, 5)
+        b.report_local_progress(0, 7)
+
+        def read() -> tuple[int, int]:
+            a.global_progress.next_fetch_time = get_dht_time()
+            a.global_state_updated.set()
+            return a.global_progress.num_peers, a.global_progress.samples_accumulated
+
+        expected = (1, 5) if patched else (2, 12)
+        assert wait_until(lambda: read() == expected, timeout=20, interval=0.25), read()
+        if patched:  # and it stays so: B's later records are left out too
+            b.report_local_progress(0, 20)
+            time.sleep(1.0)
+            assert read() == (1, 5)

@@ -35,7 +35,7 @@ class EpochPoint:
     data_epoch: float | None = None  # passes over the training set (the peers' own count; the largest)
     gpus: dict[str, tuple[float, float]] = field(default_factory=dict)  # peer -> (GPU memory GB, util %)
     clipped: int = 0  # senders' parts the peers' robust means scaled down since their last records
-    # groupmate PeerID -> how many of the reporting peers ban it (swarm/averaging/suspects.py)
+    # groupmate PeerID -> how many of the reporting peers ban it (swarm/suspects.py)
     suspects: dict[str, int] = field(default_factory=dict)
 
 

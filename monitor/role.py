@@ -126,7 +126,7 @@ def _log_point(point: EpochPoint) -> None:
 def _name_suspects(
     cfg: ExperimentConfig, dht: Any, point: EpochPoint, named: set, invite: Invite | None
 ) -> None:
-    """One warning per groupmate that peers ban (swarm/averaging/suspects.py), with what the owner can do."""
+    """One warning per groupmate that peers ban (swarm/suspects.py), with what the owner can do."""
     for peer, banning in sorted(point.suspects.items()):
         if ("suspect", peer) in named:
             continue

@@ -18,8 +18,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from swarm import patches
-from swarm.averaging import suspects
+from swarm import patches, suspects
 from swarm.averaging.strategy import HivemindStrategy, lr_of
 from swarm.config import ExperimentConfig, save_config
 from swarm.layout import volunteer_dir
@@ -408,7 +407,7 @@ class SwarmReporter(L.Callback):
             "rejected_downloads": self.strategy.screen.rejected_downloads,
             # parts of groupmates' slices this peer's robust mean scaled down (swarm/patches/robust.py)
             "clipped_parts": robust.clipped_parts(),
-            # groupmates whose gradients this peer judged far from the rest (swarm/averaging/suspects.py)
+            # groupmates whose gradients this peer judged far from the rest (swarm/suspects.py)
             "suspects": [dataclasses.asdict(found) for found in table.suspects()]
             if table is not None
             else [],

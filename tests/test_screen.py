@@ -97,7 +97,7 @@ def test_a_round_of_two_is_judged_by_its_distance_from_the_peers_own_gradient():
 
 
 def test_suspects_are_banned_after_three_clipped_rounds_of_their_last_five_for_longer_each_time():
-    from swarm.averaging import suspects
+    from swarm import suspects
 
     table = suspects.Suspects()
     honest, attacker = "12D3KooWhonest", "12D3KooWattacker"

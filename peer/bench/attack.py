@@ -9,7 +9,7 @@
   (``flip_grad:K``), and the same two honest peers without an attacker.
 
 Each row: the honest peers' val acc before the attack and after it, what they rejected and clipped, and
-how long after the attack began each honest peer banned the attacker (swarm/averaging/suspects.py). The
+how long after the attack began each honest peer banned the attacker (swarm/suspects.py). The
 rows of one call run one after another on the same machine."""
 
 from __future__ import annotations

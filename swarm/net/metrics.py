@@ -32,7 +32,7 @@ ROUND_LOCAL = "round/local_steps"  # peers whose gradient round failed and who s
 ROUND_REJECTED = "round/rejected"  # peers whose screen refused an averaged result (swarm/averaging/screen.py)
 # senders' parts that the peers' robust means scaled down (swarm/patches/robust.py), summed over the peers
 ROUND_CLIPPED = "round/clipped"
-ROUND_SUSPECTS = "round/suspects"  # groupmates banned by at least one peer (swarm/averaging/suspects.py)
+ROUND_SUSPECTS = "round/suspects"  # groupmates banned by at least one peer (swarm/suspects.py)
 
 
 def metrics_key(run_id: str) -> str:
@@ -67,7 +67,7 @@ class LocalMetrics(BaseModel):
     rejected_rounds: conint(ge=0, strict=True) | None = None
     # senders' parts that this peer's robust mean scaled down since its last record (swarm/patches/robust.py)
     round_clipped: conint(ge=0, strict=True) | None = None
-    # the PeerIDs this peer bans now (swarm/averaging/suspects.py), at most 16
+    # the PeerIDs this peer bans now (swarm/suspects.py), at most 16
     banned: conlist(constr(max_length=64, strict=True), max_items=16) | None = None
     # passes over the training set: global epochs x target batch / this peer's training images
     data_epoch: confloat(ge=0.0, strict=True) | None = None

@@ -378,7 +378,7 @@ def _group_of(control: Any) -> list[Any]:
 
 
 def _judge_other(group: list[Any], own: Any, rejected: bool) -> None:
-    """A round of two, judged by the screen: one judged round of the other (swarm/averaging/suspects.py)."""
+    """A round of two, judged by the screen: one judged round of the other (swarm/suspects.py)."""
     suspects = robust.suspects()
     if suspects is not None:
         for peer in group:

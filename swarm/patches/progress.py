@@ -119,7 +119,7 @@ class LastRead:
 
 def leave_out_banned(tracker: Any, banned: Any) -> None:
     """On one running ``ProgressTracker``: the records of peers for which ``banned(peer_id_text)`` is true
-    are left out of every read (swarm/averaging/suspects.py). Left in, a banned peer still counts in
+    are left out of every read (swarm/suspects.py). Left in, a banned peer still counts in
     ``num_peers``, so this peer looks for a group of two that cannot form and waits its whole matchmaking time
     every epoch, and its claimed samples still count toward the swarm's target. Call before the other
     wrappers of ``_parse_swarm_progress_data``, so that they see what it leaves."""

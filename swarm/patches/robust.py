@@ -48,9 +48,7 @@ WEIGHT_CAP = 1.0  # no sender's weight counts for more than this many times the 
 ITERATIONS = 20  # at most; it stops once the centre moves by less than TOLERANCE of tau
 TOLERANCE = 1e-4
 _clipped: Any = None  # mp.Value: senders' parts scaled down by this process's averagers (forked: shared)
-_suspects: Any = (
-    None  # swarm.averaging.suspects.Suspects, shared by the averager processes forked after install
-)
+_suspects: Any = None  # swarm.suspects.Suspects, shared by the averager processes forked after install
 _SCORING = False  # True in a gradient averager's process: its reducers judge senders (score_senders_here)
 
 
@@ -125,7 +123,7 @@ def centered_clip(
 
 
 def _judged_scales(scale: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The scales by which senders are judged (swarm/averaging/suspects.py): a sender with fewer samples than
+    """The scales by which senders are judged (swarm/suspects.py): a sender with fewer samples than
     the round's median sends a noisier gradient, further from the others by about the square root of the
     ratio, and its scale is divided by that root (at most 1). A sender that announces few samples to escape
     judgement pulls the mean that much less."""
@@ -212,7 +210,7 @@ def _reducer_class(counter: Any) -> type:
 
 def score_senders_here() -> None:
     """Called in a gradient averager's process as it starts: its reducers judge the senders of each round
-    (swarm/averaging/suspects.py). State rounds are not judged."""
+    (swarm/suspects.py). State rounds are not judged."""
     global _SCORING
     _SCORING = True
 
@@ -221,7 +219,7 @@ def _judge_senders(reducer: Any) -> None:
     """After a round (``reducer`` finished, for a runner that named its senders): each groupmate whose parts
     this peer reduced gets one judged round, clipped if its parts were scaled by less than SUSPECT_SCALE on
     average."""
-    from swarm.averaging.suspects import SUSPECT_SCALE
+    from swarm.suspects import SUSPECT_SCALE
 
     scales, senders = reducer.__dict__.get("sender_scales"), reducer.__dict__.get("sender_peer_ids")
     if not (_SCORING and scales and senders and _suspects is not None):
@@ -236,7 +234,7 @@ def _targets() -> list[tuple[Any, str, Any]]:
     global _clipped, _suspects
     from hivemind.averaging import allreduce
 
-    from swarm.averaging.suspects import Suspects
+    from swarm.suspects import Suspects
 
     if _clipped is None:
         _clipped = mp.get_context("fork").Value("q", 0)
@@ -257,7 +255,7 @@ def _targets() -> list[tuple[Any, str, Any]]:
 
 
 def suspects() -> Any:
-    """This peer's :class:`swarm.averaging.suspects.Suspects` (None before the patch was first installed)."""
+    """This peer's :class:`swarm.suspects.Suspects` (None before the patch was first installed)."""
     return _suspects
 
 

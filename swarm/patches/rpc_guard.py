@@ -16,7 +16,7 @@ groups, send it parts, or download its state.
 serves only callers that pass the gate, and calls only peers that pass it. A refusal is logged by the gate
 (once per peer), not by hivemind with a traceback. swarm/net/fence.py is the gate of an invite-only swarm.
 Every averager also refuses, and does not call, the groupmates that its peer banned
-(swarm/averaging/suspects.py, kept by swarm/patches/robust.py), in open and invite-only swarms alike: that
+(swarm/suspects.py, kept by swarm/patches/robust.py), in open and invite-only swarms alike: that
 keeps a banned peer out of this peer's groups and keeps this peer from downloading its state.
 """
 
@@ -50,7 +50,7 @@ def unguard(dht: Any) -> None:
 
 
 class Banned(Refused):
-    """This peer banned the other for a while (swarm/averaging/suspects.py)."""
+    """This peer banned the other for a while (swarm/suspects.py)."""
 
 
 class _Banning:

@@ -247,7 +247,7 @@ def test_in_a_round_of_two_a_gradient_far_from_the_peers_own_is_rejected(dhts, p
     gives the plain mean of two). First B is honest (another batch's gradient): A applies the mean. Then B
     sends A's own gradient times -8: the mean, -3.5 times A's gradient, is within the screen's 10x, and plain
     hivemind applies it. With the screen A rejects it (it lies 4.5 times A's reference from A's own
-    gradient), steps on its own gradient, and counts a clipped round of B (swarm/averaging/suspects.py)."""
+    gradient), steps on its own gradient, and counts a clipped round of B (swarm/suspects.py)."""
     from swarm.patches import robust
 
     with _screened_gradient_pair(dhts, f"pytest-rounds-pair-{patched}") as pair:

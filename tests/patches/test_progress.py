@@ -279,7 +279,7 @@ def test_a_new_epoch_expects_the_swarm_at_the_speed_of_the_last_read(dhts, patch
 @PLAIN_OR_PATCHED
 def test_a_banned_peer_is_left_out_of_the_swarms_progress(dhts, patched):
     """leave_out_banned. B has samples and a record; A's reads count it (two peers, B's samples) on plain
-    hivemind. With B banned by A (swarm/averaging/suspects.py), A's reads leave B's record out: one peer, none
+    hivemind. With B banned by A (swarm/suspects.py), A's reads leave B's record out: one peer, none
     of B's samples, so A neither looks for a group that B cannot join nor counts B's claims toward the
     target."""
     with _two_trackers(dhts, f"pytest-rounds-banned-{patched}", 10**6, patched) as (a, b):

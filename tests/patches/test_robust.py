@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm import patches
-from swarm.averaging import suspects
+from swarm import patches, suspects
 from swarm.patches import matchmaking, robust
 from tests.patches.common import MATCHMAKING, PLAIN_OR_PATCHED, _vector_averagers, hivemind_as
 
@@ -90,7 +89,7 @@ def test_a_peer_sending_its_gradient_times_minus_8_cannot_turn_the_round_uphill(
 
 
 def test_a_peer_clipped_round_after_round_is_banned_and_left_out_of_the_next_groups(nodes, monkeypatch):
-    """swarm/averaging/suspects.py on real averagers: two honest peers and one that sends its gradient times
+    """swarm/suspects.py on real averagers: two honest peers and one that sends its gradient times
     -8 average round after round. The honest reducers clip the attacker's parts each round; once it has
     BAN_AFTER clipped rounds among its last WINDOW, it is banned: the next round's group is the two honest
     peers (the attacker's requests are refused, and nobody calls it). The three averagers here share one
@@ -151,5 +150,9 @@ def test_centered_clip_figures():
     got, scale = robust.centered_clip(torch.stack([rows[0], rows[0], rows[1]]), torch.ones(3))
     assert torch.equal(got, rows[0]) and scale.tolist() == [1.0, 1.0, 0.0]
     assert robust.capped_weights(torch.tensor([1.0, 2.0, 1e6, 0.0])).tolist() == [1.0, 2.0, 2.0, 0.0]
+    # senders are judged allowing a smaller batch its noise: 32 samples against a median of 128 is half as
+    # far again (the square root of 4), so its scale counts twice; at or above the median, as it is
+    judged = robust._judged_scales(torch.tensor([0.3, 0.3, 0.3]), torch.tensor([32.0, 128.0, 1e6]))
+    torch.testing.assert_close(judged, torch.tensor([0.6, 0.3, 0.3]))
     with pytest.raises(ValueError, match="unknown aggregation rule 'median'; use one of centered_clip, mean"):
         robust.use("median")

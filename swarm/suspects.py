@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 SUSPECT_SCALE = 0.35  # a sender's parts of a round scaled by less than this on average: a clipped round
 WINDOW = 5  # the last judged rounds of a groupmate that count
-BAN_AFTER = 3  # clipped rounds among the last WINDOW that ban it
+BAN_AFTER = 2  # clipped rounds among the last WINDOW that ban it
 BAN_SECONDS = 300.0  # the first ban; each later one of the same peer lasts twice as long as the one before
 MAX_BAN_SECONDS = 3600.0
 SLOTS = 256

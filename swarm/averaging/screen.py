@@ -30,7 +30,8 @@ times
   in the demo an honest round of a 32-sample peer with a 224-sample one lay 2.3 times the reference away,
   early in training (a limit of 1.5 rejected it). A gradient times -8 in a round of equal weights moves the
   mean 4-4.5 times the reference away, and 8-9 times if it announces most of the samples; at x-4 (2.1-2.5
-  times) or less it passes, and the groups of three that it joins clip and ban it (suspects.py). A check of
+  times) or less it passes, and the groups of three that it joins clip and ban it (suspects.py); a round of
+  two further than ``PAIR_SUSPECT`` (2) times counts against the other peer there too. A check of
   direction (reject an average pointing against this peer's own gradient) rejected honest rounds too: a
   32-sample peer's noisy gradient had cosine -0.52 with the average of its round with a 224-sample one.
 
@@ -62,6 +63,7 @@ def total_norm(tensors: Sequence[torch.Tensor]) -> float:
     return float(torch.linalg.vector_norm(torch.stack([n.cpu() for n in norms])))
 
 
+PAIR_SUSPECT = 2.0  # a round of two further than this many times the reference counts against the other
 PAIR_RADIUS = 3.0  # a round of two: the average within this many times the reference of this peer's gradient
 
 
@@ -93,11 +95,18 @@ class RoundScreen:
         # norms of each part (parameters, optimizer statistics, extra tensors) of the last accepted states
         self.part_norms: dict[str, deque[float]] = {}
         self.history = history
+        self.last_pair_distance = 0.0  # of the last round of two: its distance over the reference
         self.rejected_gradient_rounds = 0
         self.rejected_state_rounds = 0
         self.rejected_downloads = 0
         # results of each kind rejected since the last accepted one
         self.in_row = {"gradient": 0, "state": 0, "download": 0}
+
+    @property
+    def pair_suspect(self) -> bool:
+        """Whether the last round of two lay far enough from this peer's own gradient to count against the
+        other peer (swarm/suspects.py), rejected or not."""
+        return self.last_pair_distance > PAIR_SUSPECT
 
     @property
     def rejected(self) -> int:
@@ -122,6 +131,7 @@ class RoundScreen:
         norm, mine = total_norm(averaged), total_norm(own)
         reference = max([mine * own_scale] + ([statistics.median(self.norms)] if self.norms else []))
         pair = group_size == 2 and self.factor > 0 and reference > 0 and mine > 0
+        self.last_pair_distance = _distance(averaged, own) / reference if pair else 0.0
         if not math.isfinite(norm):
             reason = f"the averaged gradient is non-finite (norm {norm})"
         elif self._outsized(norm, reference):
@@ -131,9 +141,9 @@ class RoundScreen:
                 + (f" x {own_scale:.3g}" if own_scale != 1.0 else "")
                 + f"; the limit is {self.factor:g}x)"
             )
-        elif pair and (away := _distance(averaged, own)) > PAIR_RADIUS * reference:
+        elif pair and self.last_pair_distance > PAIR_RADIUS:
             reason = (
-                f"in a round of two, the averaged gradient lies {away / reference:.2g}x this peer's "
+                f"in a round of two, the averaged gradient lies {self.last_pair_distance:.2g}x this peer's "
                 f"reference {reference:.3g} from its own gradient (the limit is {PAIR_RADIUS:g}x): the other "
                 "peer's gradient is far from this peer's"
             )

@@ -355,7 +355,7 @@ def screen_rounds(opt: Any, screen: Any, on_rejected: Any, own_scale: Any = None
                     averaged, averager.own_gradients, own_scale=scale, group_size=len(group) or None
                 )
             if len(group) == 2:  # the robust rule cannot judge the other of two: this screen does
-                _judge_other(group, opt.dht.peer_id, rejected=reason is not None)
+                _judge_other(group, opt.dht.peer_id, clipped=reason is not None or screen.pair_suspect)
             if reason is not None:
                 averager.use_own_gradients()
                 on_rejected("gradient", reason, averager.own_samples)
@@ -377,13 +377,13 @@ def _group_of(control: Any) -> list[Any]:
     return []
 
 
-def _judge_other(group: list[Any], own: Any, rejected: bool) -> None:
+def _judge_other(group: list[Any], own: Any, clipped: bool) -> None:
     """A round of two, judged by the screen: one judged round of the other (swarm/suspects.py)."""
     suspects = robust.suspects()
     if suspects is not None:
         for peer in group:
             if peer != own:
-                suspects.record(str(peer), clipped=rejected)
+                suspects.record(str(peer), clipped=clipped)
 
 
 def number_steps_by_epoch(state_averager: Any, optimizer: torch.optim.Optimizer) -> Any:

@@ -39,6 +39,11 @@ class EpochPoint:
     suspects: dict[str, int] = field(default_factory=dict)
 
 
+def banned_counts(records: list[LocalMetrics]) -> dict[str, int]:
+    """Groupmate PeerID -> how many of ``records``' peers ban it (swarm/suspects.py)."""
+    return dict(Counter(peer for r in records for peer in set(r.banned or ())))
+
+
 def aggregate(
     epoch: int, records: list[LocalMetrics], peers: int, vals: list[LocalMetrics] | None = None
 ) -> EpochPoint:
@@ -84,7 +89,7 @@ def aggregate(
         max(data_epochs) if data_epochs else None,
         {r.peer_name: (r.gpu_mem_gb, r.gpu_util or 0.0) for r in records if r.gpu_mem_gb is not None},
         sum(r.round_clipped or 0 for r in records),
-        dict(Counter(peer for r in records for peer in set(r.banned or ()))),
+        banned_counts(records),
     )
 
 

@@ -25,9 +25,10 @@ from swarm import patches
 from swarm.config import ExperimentConfig, save_config
 from swarm.log import quiet_libraries
 from swarm.net import metrics
+from swarm.net.fence import invite_name
 from swarm.net.fingerprint import MONITOR_FIELDS, check_against_swarm, join_line_for
 from swarm.net.invite import Invite
-from swarm.net.node import check_addresses, start_node
+from swarm.net.node import check_addresses, start_node, visible_maddrs
 from swarm.procs import GracefulStop, remove_stale_sockets
 from swarm.training.checkpoint import CheckpointError
 from swarm.training.data import build_datasets, val_loader
@@ -137,9 +138,6 @@ def _name_suspects(
                 '"Invite-only swarms") to keep such a peer out for good'
             )
         else:
-            from swarm.net.fence import invite_name
-            from swarm.net.node import visible_maddrs
-
             name = invite_name(dht, invite, peer) or "<its invite's name>"
             address = (visible_maddrs(dht) or ["<any peer's address>"])[0]
             advice = (

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import ipaddress
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from monitor.aggregate import banned_counts
 from swarm.config import ExperimentConfig
 from swarm.net import metrics, reach
 from swarm.net.node import SwarmConnectionError, start_node
@@ -140,8 +140,7 @@ def render(status: SwarmStatus) -> str:
                 f"  rejected:       {rejected} averaged rounds refused by peers' screens (outsized or "
                 "non-finite updates: a peer sends bad numbers)"
             )
-        banned = Counter(peer for r in status.records for peer in set(r.banned or ()))
-        for peer, banning in sorted(banned.items()):
+        for peer, banning in sorted(banned_counts(status.records).items()):
             lines.append(
                 f"  suspect:        {peer} is banned by {banning} of {len(status.records)} peers (its "
                 "gradients were far from its groupmates' round after round)"

@@ -207,17 +207,18 @@ class SwarmReporter(L.Callback):
             val = self.run_validation(module, epoch)
             entry.update({f"val_{k}": v for k, v in val.items() if k != "epoch"})
         self.history.append(entry)
-        self._note_bans()
-        self._publish(entry, val)
+        banned = self._banned()
+        self._note_bans(banned)
+        self._publish(entry, val, banned)
         self._reset_window()
 
     def _banned(self) -> list[Any]:
         table = robust.suspects()
         return [s for s in table.suspects() if s.banned_for > 0] if table is not None else []
 
-    def _note_bans(self) -> None:
+    def _note_bans(self, banned: list[Any]) -> None:
         """One warning for each ban this peer's averagers imposed since the last epoch."""
-        for found in self._banned():
+        for found in banned:
             if (found.peer, found.bans) not in self.bans_logged:
                 self.bans_logged.add((found.peer, found.bans))
                 log.warning(
@@ -248,7 +249,7 @@ class SwarmReporter(L.Callback):
         )
         return self.last_val
 
-    def _publish(self, entry: dict[str, Any], val: dict[str, Any]) -> None:
+    def _publish(self, entry: dict[str, Any], val: dict[str, Any], banned: list[Any]) -> None:
         """Store this epoch's record. It carries the latest validation until the next one: a record lives
         only until the peer's next epoch, and a monitor that polls less often than epochs end would
         otherwise miss most validations."""
@@ -270,7 +271,7 @@ class SwarmReporter(L.Callback):
             target_batch_size=self.cfg.swarm.target_batch_size,
             rejected_rounds=self.strategy.screen.rejected,
             round_clipped=self._clipped_since_last_record(),
-            banned=[found.peer for found in self._banned()][:16],
+            banned=[found.peer for found in banned][:16],
             data_epoch=float(entry["data_epoch"]) if self.train_images else None,
             gpu_mem_gb=entry.get("gpu_mem_gb"),
             gpu_util=entry.get("gpu_util"),

@@ -114,35 +114,40 @@ class Suspects:
             slot.recent = 0  # judged afresh after the ban
             return True
 
-    def banned_for(self, peer: str, now: float | None = None) -> float:
-        """Seconds left of ``peer``'s ban; 0 if it is not banned."""
+    def get(self, peer: str, now: float | None = None) -> Suspect | None:
+        """What this peer holds against ``peer``; None if it never judged it."""
         now = time.monotonic() if now is None else now
         with self._lock:
             slot = self._find(_key(peer), False, now)
-            return max(0.0, slot.banned_until - now) if slot is not None else 0.0
+            return _suspect(slot, now) if slot is not None else None
+
+    def banned_for(self, peer: str, now: float | None = None) -> float:
+        """Seconds left of ``peer``'s ban; 0 if it is not banned."""
+        found = self.get(peer, now)
+        return found.banned_for if found is not None else 0.0
 
     def suspects(self, now: float | None = None) -> list[Suspect]:
         """Every groupmate with a clipped round, most clipped first."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            found = [
-                Suspect(
-                    peer=slot.peer.decode(),
-                    rounds=slot.rounds,
-                    clipped=slot.clipped,
-                    recent_clipped=bin(slot.recent).count("1"),
-                    bans=slot.bans,
-                    banned_for=max(0.0, slot.banned_until - now),
-                    first_banned=slot.first_banned,
-                )
-                for slot in self._slots
-                if slot.peer and slot.clipped
-            ]
+            found = [_suspect(slot, now) for slot in self._slots if slot.peer and slot.clipped]
         return sorted(found, key=lambda s: (-s.clipped, s.peer))
 
     def clear(self) -> None:
         with self._lock:
             ctypes.memset(ctypes.addressof(self._slots), 0, ctypes.sizeof(self._slots))
+
+
+def _suspect(slot: _Slot, now: float) -> Suspect:
+    return Suspect(
+        peer=slot.peer.decode(),
+        rounds=slot.rounds,
+        clipped=slot.clipped,
+        recent_clipped=bin(slot.recent).count("1"),
+        bans=slot.bans,
+        banned_for=max(0.0, slot.banned_until - now),
+        first_banned=slot.first_banned,
+    )
 
 
 def _key(peer: str) -> bytes:

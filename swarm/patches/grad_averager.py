@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from swarm.patches import robust
 from swarm.patches.allreduce import NamesStrangers, PacksParts
 
 
@@ -45,8 +46,6 @@ class KeepsLocalGradients:
 
     def run(self) -> None:
         # the averager's own process: its reducers judge the senders of gradient rounds (suspects.py)
-        from swarm.patches import robust
-
         robust.score_senders_here()
         super().run()
 

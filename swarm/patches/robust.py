@@ -41,6 +41,7 @@ import torch
 
 from swarm.config import AGGREGATION as RULES
 from swarm.patches._registry import Patch
+from swarm.suspects import SUSPECT_SCALE, Suspects
 
 RULE = "centered_clip"  # read by the reducers of averager processes forked after use()
 TAU_FACTOR = 1.5  # tau: this many times the median distance of the parts to their coordinate-wise median
@@ -219,8 +220,6 @@ def _judge_senders(reducer: Any) -> None:
     """After a round (``reducer`` finished, for a runner that named its senders): each groupmate whose parts
     this peer reduced gets one judged round, clipped if its parts were scaled by less than SUSPECT_SCALE on
     average."""
-    from swarm.suspects import SUSPECT_SCALE
-
     scales, senders = reducer.__dict__.get("sender_scales"), reducer.__dict__.get("sender_peer_ids")
     if not (_SCORING and scales and senders and _suspects is not None):
         return
@@ -233,8 +232,6 @@ def _targets() -> list[tuple[Any, str, Any]]:
     """Count from now on; the averager processes started afterwards inherit the counter and the suspects."""
     global _clipped, _suspects
     from hivemind.averaging import allreduce
-
-    from swarm.suspects import Suspects
 
     if _clipped is None:
         _clipped = mp.get_context("fork").Value("q", 0)

@@ -28,6 +28,7 @@ from typing import Any
 
 from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
 
+from swarm.patches import robust
 from swarm.patches._registry import Patch
 
 log = logging.getLogger(__name__)
@@ -63,14 +64,13 @@ class _Banning:
 
     async def check(self, peer_id: Any, dht: Any, role: str) -> None:
         text = str(peer_id)
-        left = self._suspects.banned_for(text)
-        if left > 0:
+        found = self._suspects.get(text)
+        if found is not None and found.banned_for > 0:
             why = (
-                f"peer {text} is banned by this peer for {left:.0f} s more: its gradients were far from its "
-                "groupmates'"
+                f"peer {text} is banned by this peer for {found.banned_for:.0f} s more: its gradients were "
+                "far from its groupmates'"
             )
-            found = next((s for s in self._suspects.suspects() if s.peer == text), None)
-            if found is not None and (text, found.bans) not in self._warned:
+            if (text, found.bans) not in self._warned:  # once per ban
                 self._warned.add((text, found.bans))
                 log.warning("Refused %s: %s", role, why)
             raise Banned(why)
@@ -129,8 +129,6 @@ def _targets() -> list[tuple[Any, str, Any]]:
 
     def guarded_run(self: Any) -> None:
         global _PROCESS
-        from swarm.patches import robust
-
         gate, suspects = _GATES.get(self.dht), robust.suspects()
         if suspects is not None:
             gate = _Banning(gate, suspects)

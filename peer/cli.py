@@ -7,6 +7,7 @@ says what to fix, never in a traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import functools
 import signal
@@ -519,6 +520,27 @@ if __name__ == "__main__":
     help="wan: each peer's link, Mbit/s each way.",
 )
 @click.option(
+    "--volunteers",
+    type=click.IntRange(2, 32),
+    default=8,
+    show_default=True,
+    help="volunteers: peers in the lab.",
+)
+@click.option(
+    "--quotas",
+    default="0.1-0.3",
+    show_default=True,
+    callback=lambda ctx, param, value: _quota_range(value),
+    help="volunteers: the slowest and the fastest peer's CPU budget, in cores (LO-HI).",
+)
+@click.option(
+    "--link-mbit",
+    type=click.FloatRange(0.05, 10000),
+    default=2.0,
+    show_default=True,
+    help="volunteers: each peer's upload, Mbit/s (download: 4x).",
+)
+@click.option(
     "--peak-tflops", type=float, default=None, help="step: the GPU's dense bf16 peak, if not known."
 )
 @_fail_cleanly
@@ -534,6 +556,9 @@ def bench(
     seeds: int,
     wan_mbit: float,
     repeats: int,
+    volunteers: int,
+    quotas: tuple[float, float],
+    link_mbit: float,
 ) -> None:
     """Measure on 127.0.0.1: swarm vs DDP scaling, bytes and accuracy per compression mode, a newcomer's join
     time, swarm vs one process at equal batch, and the GPU training step.
@@ -544,7 +569,19 @@ def bench(
 
     chosen = list(BENCH_SCENARIOS) if "all" in scenarios else list(dict.fromkeys(scenarios))
     opts = Options(samples, local_steps, peers, step_batch, peak_tflops, seeds, wan_mbit, repeats)
+    opts = dataclasses.replace(opts, volunteers=volunteers, quotas=quotas, link_mbit=link_mbit)
     run_bench(chosen, Path(out), Path(work_dir), opts)
+
+
+def _quota_range(value: str) -> tuple[float, float]:
+    """``LO-HI`` (cores) as a pair, or a usage error that says what is expected."""
+    try:
+        lo, hi = (float(part) for part in value.split("-"))
+    except ValueError:
+        raise click.BadParameter(f"expected LO-HI in cores, for example 0.1-0.3, not {value!r}") from None
+    if not 0 < lo <= hi <= 64:
+        raise click.BadParameter(f"expected 0 < LO <= HI <= 64 cores, not {value!r}")
+    return lo, hi
 
 
 @main.command("bench-donor", hidden=True)

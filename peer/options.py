@@ -35,7 +35,7 @@ def swarm_options(func: Callable) -> Callable:
                 "--config",
                 "config",
                 default=None,
-                help="YAML experiment file, or a bundled name: demo, flagship.",
+                help="YAML experiment file, or a bundled name: demo, flagship, internet.",
             ),
             click.option(
                 "--run-id", default=None, help="Name of the run; peers with the same run id train together."
@@ -224,6 +224,13 @@ def averaging_options(func: Callable) -> Callable:
             ),
             click.option(
                 "--local-steps", type=int, default=None, help="DiLoCo: inner steps per outer step [50]."
+            ),
+            click.option(
+                "--round-seconds",
+                type=float,
+                default=None,
+                help="DiLoCo: an outer round every this many seconds of the swarm's compute, whatever each "
+                "peer's speed and however many peers (instead of --local-steps) [0: off].",
             ),
             click.option("--outer-lr", type=float, default=None, help="DiLoCo: outer Nesterov SGD lr [0.7]."),
             click.option("--outer-momentum", type=float, default=None, help="DiLoCo: outer momentum [0.9]."),

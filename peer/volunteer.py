@@ -416,6 +416,7 @@ class SwarmReporter(L.Callback):
             "rounds": self.strategy.clock.rounds if self.strategy.clock else [],
             **self._diloco_summary(),
             "seconds": time.time() - self.started if hasattr(self, "started") else 0.0,
+            "started_at": getattr(self, "started", None),  # when training began (after --min-peers)
         }
 
 

@@ -192,6 +192,11 @@ class SwarmConfig:
     """'gradients' (average every global step's gradients) or 'diloco' (local steps, then an outer step)."""
     local_steps: int = 50
     """DiLoCo: inner (AdamW) steps a peer takes before it offers its pseudo-gradient to the outer step."""
+    round_seconds: float = 0.0
+    """DiLoCo: 0 ends each peer's inner phase after ``local_steps``; a number of seconds ends it when the
+    swarm has computed what it computes in that time (its target batch follows the summed speed of its
+    peers), so that slow and fast peers reach each outer round together, each contributing what it computed,
+    however many peers there are."""
     outer_lr: float = 0.7
     """DiLoCo: learning rate of the outer Nesterov SGD (the paper's 0.7)."""
     outer_momentum: float = 0.9
@@ -251,6 +256,13 @@ class SwarmConfig:
         _check(self.aggregation in AGGREGATION, "aggregation", self.aggregation, f"one of {rules}")
         _check(self.averaging in AVERAGING, "averaging", self.averaging, f"one of {', '.join(AVERAGING)}")
         _check(self.local_steps >= 1, "local_steps", self.local_steps, "an integer >= 1")
+        _check(self.round_seconds >= 0, "round_seconds", self.round_seconds, "seconds >= 0 (0: local_steps)")
+        _check(
+            self.round_seconds == 0 or self.averaging == "diloco",
+            "round_seconds",
+            self.round_seconds,
+            "0 unless averaging is 'diloco' (gradient rounds follow target_batch_size)",
+        )
         _check(self.outer_lr > 0, "outer_lr", self.outer_lr, "a number > 0")
         _check(0 <= self.outer_momentum < 1, "outer_momentum", self.outer_momentum, "a number in [0, 1)")
 

@@ -32,6 +32,7 @@ JOIN_FLAGS = {
     "compression": "--compression",
     "outer_lr": "--outer-lr",
     "outer_momentum": "--outer-momentum",
+    "round_seconds": "--round-seconds",
     "lr": "--lr",
 }
 

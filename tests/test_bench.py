@@ -211,3 +211,44 @@ def test_cpu_meter_counts_this_process_and_its_helper_processes():
     assert result["wall"] >= 0.5, result
     assert meter.stop() == result  # a second stop keeps the first window
     assert before.stop()["helpers"] >= result["helpers"]  # the killed one's time reaches its reaper
+
+
+def _volunteers_unavailable() -> str | None:
+    from peer.bench import cpubudget, netns
+
+    return netns.unavailable() or cpubudget.unavailable()
+
+
+@pytest.mark.skipif(_volunteers_unavailable() is not None, reason=f"volunteers: {_volunteers_unavailable()}")
+def test_a_volunteers_lab_delays_shapes_and_budgets_its_peers(tmp_path):
+    """The volunteers lab's parts, in a few seconds: two peers 20 and 45 ms from the hub (one way) are at
+    least 2 x 65 ms apart in round-trip time (the delay line never forwards early); 0.5 MB over a 2 Mbit/s
+    upload takes at least 2 s; a busy loop in a budget of 0.2 of a core gets no more than that; and the
+    namespaces, the delay line and the cgroups are gone afterwards."""
+    import subprocess
+    import sys
+    import time
+
+    from peer.bench.cpubudget import CpuBudgets
+    from peer.bench.netns import Lab
+
+    tag = f"s{tmp_path.name[-4:]}"
+    with Lab(2, 2, tag=tag, up_mbit=[2, 2], down_mbit=[8, 8], delays_ms=[20, 45]) as lab:
+        assert lab.address(0) == "10.214.0.2"
+        rtt = lab.rtt_ms(0, 1)
+        assert 130 <= rtt < 130 + 200, rtt
+        assert _send_through(lab, 0.5) >= 1.95  # 4 Mbit at 2 Mbit/s, whatever the machine
+        line = lab.line
+    assert line is not None and line.poll() is not None, "the delay line stopped"
+    with CpuBudgets([0.2], tag) as budgets:
+        group = budgets.path(0)
+        busy = "import os, time\nt = time.time()\nwhile time.time() - t < 2: pass\nprint(sum(os.times()[:2]))"
+        started = time.monotonic()
+        done = subprocess.run(
+            [*budgets.prefix(0), sys.executable, "-c", busy], capture_output=True, text=True, check=True
+        )
+        wall = time.monotonic() - started
+        # the kernel holds the group to 20 ms of CPU per 100 ms period (one period of slack)
+        assert float(done.stdout) <= 0.2 * wall + 0.1, (done.stdout, wall)
+    assert not group.exists(), "the cgroup was removed"
+    assert not [name for name in _netns_list() if tag in name], "the lab's namespaces were deleted"

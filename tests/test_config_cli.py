@@ -24,6 +24,16 @@ def test_bundled_configs_resolve():
     assert demo.data.dataset == "digits" and demo.model.img_size == 32
     flagship = build_config("flagship", environ={})
     assert flagship.model.model_name == "vit_base_patch32_224" and flagship.model.img_size == 224
+    internet = build_config("internet", environ={})
+    assert internet.model == flagship.model and internet.swarm.averaging == "diloco"
+    assert internet.swarm.round_seconds > 0 and internet.swarm.compression == "int8"
+
+
+def test_round_seconds_needs_diloco():
+    with pytest.raises(ConfigError, match="round_seconds"):
+        build_config("demo", {"round_seconds": 10.0}, environ={})
+    paced = build_config("demo", {"round_seconds": 10.0, "averaging": "diloco"}, environ={})
+    assert paced.swarm.round_seconds == 10
 
 
 @pytest.mark.parametrize(

@@ -206,6 +206,37 @@ def test_a_diloco_peer_checks_its_inner_state_before_the_outer_step_and_sends_no
     assert all(torch.isfinite(t).all() for t in strategy.diloco.extra_tensors)
 
 
+class SleepEachStep(L.Callback):
+    """Makes every local step last at least ``seconds`` longer (a slow volunteer)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, idx) -> None:
+        time.sleep(self.seconds)
+
+
+def test_a_diloco_peer_paced_by_time_ends_its_inner_phases_by_the_swarms_clock_not_by_local_steps():
+    """round_seconds: alone, with a target of 10**6 samples and local_steps 2, a peer whose steps take at
+    least 20 ms ends its inner phases when the swarm (itself) has computed for about 1 s (the target paced
+    to its speed, swarm/patches/progress.py pace_by_time): not after 2 steps, and not never (10**6 samples
+    at about 1000 samples/s are more than 15 minutes away)."""
+    _, strategy, *_ = _fit(
+        SwarmClassifier,
+        steps=200,
+        averaging="diloco",
+        local_steps=2,
+        round_seconds=1.0,
+        target_batch_size=10**6,
+        callbacks=(SleepEachStep(0.02),),
+    )
+    d = strategy.diloco
+    assert d.outer_steps >= 2 and strategy.local_epoch == d.outer_steps, (d.outer_steps, strategy.local_epoch)
+    # a whole phase of about 1 s at <= 50 steps/s, give or take a read of the swarm's progress (0.5 s apart)
+    assert 2 < d.full_phase_steps <= 100, d.full_phase_steps
+    assert strategy.hivemind_opt.tracker.target_batch_size < 10**5
+
+
 def test_all_finite_is_exact_for_nan_inf_and_huge_finite_values():
     from swarm.averaging.guard import all_finite
 

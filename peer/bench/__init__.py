@@ -14,6 +14,8 @@ scenario; :data:`SCENARIOS` is the registry that the CLI's ``--scenario`` choice
 * ``attack``: a peer sends outsized, uphill gradients into a swarm; the honest peer's val acc with its screen
   off and on (swarm/averaging/screen.py).
 * ``fence``: two peers open and invite-only in turn: what the fence costs (swarm/net/fence.py).
+* ``volunteers`` (root only): unequal peers, each in its own CPU budget behind its own slow, distant link,
+  against each of them alone: utilisation and time to a fixed val acc.
 
 Peers run as subprocesses of this command, in their own process groups, and are stopped when it ends.
 """
@@ -37,6 +39,7 @@ SCENARIOS = (
     "wan",
     "attack",
     "fence",
+    "volunteers",
 )  # each a module of this package: run() and table
 
 

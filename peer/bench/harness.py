@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from swarm.layout import read_summary
 from swarm.procs import Child, ChildError
 
 if TYPE_CHECKING:
+    from peer.bench.cpubudget import CpuBudgets
     from peer.bench.netns import Lab
 
 
@@ -30,6 +32,9 @@ class Options:
     seeds: int = 3
     wan_mbit: float = 20.0
     repeats: int = 3
+    volunteers: int = 8
+    quotas: tuple[float, float] = (0.1, 0.3)  # the slowest and the fastest volunteer's CPU, in cores
+    link_mbit: float = 2.0  # a volunteer's upload (download: 4x)
 
 
 def fmt(x: float | None, digits: int = 3) -> str:
@@ -102,6 +107,10 @@ def summary(log_dir: Path, run: str, name: str) -> dict[str, Any]:
     return read_summary(log_dir, run, name)
 
 
+STARTING = "of the run are ready; starting"  # a peer's log line once --min-peers are there
+STARTUP_S = 600.0
+
+
 def swarm(
     bench: Bench,
     run: str,
@@ -110,19 +119,25 @@ def swarm(
     env: dict[str, str] | None = None,
     seed: int = 0,
     lab: Lab | None = None,
+    budgets: CpuBudgets | None = None,
+    seconds: float = 1800,
 ) -> list[dict[str, Any]]:
     """A bootstrap peer and ``peers`` training peers (``swarm-peer join`` with ``args``, and config fields
     from ``env`` as SWARM_<FIELD> variables); their summaries. Peer i shuffles with seed ``seed * 100 + i``.
-    With a ``lab`` (peer/bench/netns.py), the bootstrap runs in its namespace 0 and peer i in namespace i.
+    With a ``lab`` (peer/bench/netns.py), the bootstrap runs in its namespace 0 and peer i in namespace i;
+    with ``budgets`` (peer/bench/cpubudget.py), peer i and its helpers in CPU budget i - 1.
 
     Starting through a bootstrap (a DHT node that does not train), with ``--min-peers``, means no trainer runs
-    ahead alone while the others start."""
+    ahead alone while the others start. Peers still training ``seconds`` after the first of them began are
+    told to leave (SIGTERM: they write their summaries)."""
     common = ["--config", "demo", "--run-id", run, "--log-dir", str(bench.work)]
 
     def place(i: int) -> tuple[list[str], list[str]]:  # (command prefix, listen address) of process i
+        budget = budgets.prefix(i - 1) if budgets is not None and i > 0 else []
         if lab is None:
-            return [], []
-        return lab.prefix(i), ["--host-maddr", f"/ip4/{lab.address(i)}/tcp/0"]
+            return budget, []
+        # the budget first: `ip netns exec` mounts a sysfs of its own, without the cgroup tree
+        return [*budget, *lab.prefix(i)], ["--host-maddr", f"/ip4/{lab.address(i)}/tcp/0"]
 
     prefix, listen = place(0)
     boot = Peer(f"{run}-bootstrap", ["bootstrap", *common, *listen], bench.work, env, prefix)
@@ -160,7 +175,20 @@ def swarm(
                     prefix,
                 )  # fmt: skip
             )
-        codes = [p.wait(timeout=1800) for p in started[1:]]
+        # ``seconds`` of training: from the first peer that says it starts (start-up under a small CPU
+        # budget takes minutes), and at most STARTUP_S more from the launch
+        launched, began = time.monotonic(), None
+        while any(p.proc.poll() is None for p in started[1:]):
+            now = time.monotonic()
+            if began is None and any(STARTING in line for p in started[1:] for line in list(p.lines)):
+                began = now
+            if now > (began if began is not None else launched + STARTUP_S) + seconds:
+                break
+            time.sleep(0.5)
+        for p in started[1:]:  # all at once: a peer told first would leave the others a round short
+            if p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGTERM)
+        codes = [p.stop(grace=60) for p in started[1:]]
     finally:
         for p in started:
             p.stop()

@@ -7,6 +7,12 @@ download on the hub's), as a home or cloud uplink would. Every interface lives i
 created, so no traffic can leave them, and deleting the namespaces removes everything. netem (delay, loss)
 is not available on these machines; tbf (rate) is.
 
+With ``delays_ms`` (one per peer) the lab routes instead of bridging: peer ``i`` has 10.214.<i>.2/24 behind
+the hub's 10.214.<i>.1, and every packet the hub forwards waits in a user-space delay line
+(peer/bench/delayline.py) for the sender's plus the receiver's delay, so two peers ``d_a`` and ``d_b`` ms from
+the hub are ``2 (d_a + d_b)`` ms apart in round-trip time. ``up_mbit`` and ``down_mbit`` (one per peer) give
+each link its own rates, upload slower than download as on a home line.
+
 A process runs in peer ``i``'s namespace when started with :meth:`Lab.prefix` (``ip netns exec <ns>``, which
 execs the command in place: the PID, and so the process group, stay the same).
 """
@@ -16,10 +22,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Iterable
+import sys
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 SUBNET = "10.213.0"
+ROUTED = "10.214"  # 10.214.<i>.2: peer i of a routed lab (the delay line reads i from the third byte)
 
 
 def unavailable() -> str | None:
@@ -37,24 +45,40 @@ class LabError(RuntimeError):
 
 
 class Lab:
-    """``peers`` namespaces on one bridge, each link shaped to ``mbit`` Mbit/s both ways."""
+    """``peers`` namespaces on one bridge, each link shaped to ``mbit`` Mbit/s both ways; or, with
+    ``delays_ms``, on one router with a delay line, each link with its own rates and delay."""
 
     def __init__(
-        self, peers: int, mbit: float, tag: str | None = None, firewalled: Iterable[int] = ()
+        self,
+        peers: int,
+        mbit: float,
+        tag: str | None = None,
+        firewalled: Iterable[int] = (),
+        *,
+        up_mbit: Sequence[float] | None = None,
+        down_mbit: Sequence[float] | None = None,
+        delays_ms: Sequence[float] | None = None,
     ) -> None:
         if not 1 <= peers <= 200:
             raise ValueError(f"a lab holds 1 to 200 peers, not {peers}")
+        for name, values in (("up_mbit", up_mbit), ("down_mbit", down_mbit), ("delays_ms", delays_ms)):
+            if values is not None and len(values) != peers:
+                raise ValueError(f"{name} needs one value per peer ({peers}), not {len(values)}")
         self.peers, self.mbit = peers, mbit
+        self.up = list(up_mbit or [mbit] * peers)
+        self.down = list(down_mbit or [mbit] * peers)
+        self.delays = list(delays_ms) if delays_ms is not None else None
         self.firewalled = set(firewalled)
         self.tag = tag or str(os.getpid() % 100000)
         self.hub = f"swarmlab{self.tag}-hub"
         self.made: list[str] = []
+        self.line: subprocess.Popen | None = None
 
     def namespace(self, i: int) -> str:
         return f"swarmlab{self.tag}-{i}"
 
     def address(self, i: int) -> str:
-        return f"{SUBNET}.{i + 1}"
+        return f"{ROUTED}.{i}.2" if self.delays is not None else f"{SUBNET}.{i + 1}"
 
     def prefix(self, i: int) -> list[str]:
         """The command prefix that runs a program in peer ``i``'s namespace."""
@@ -72,25 +96,79 @@ class Lab:
         self.close()
 
     def _build(self) -> None:
-        # tbf's bucket: 10 ms of traffic, at least a few full-size packets
-        burst = max(int(self.mbit * 1e6 / 8 / 100), 16 * 1514)
-        shape = ["root", "tbf", "rate", f"{self.mbit}mbit", "burst", str(burst), "latency", "200ms"]
+        routed = self.delays is not None
         self._namespace(self.hub)
-        _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.hub, "link", "set", "br0", "up")
+        if routed:
+            self._router()
+        else:
+            _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.hub, "link", "set", "br0", "up")
         for i in range(self.peers):
             ns, link = self.namespace(i), f"h{i}"
             self._namespace(ns)
             _ip("-n", self.hub, "link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _ip("-n", self.hub, "link", "set", link, "master", "br0")
+            if routed:
+                _ip("-n", self.hub, "addr", "add", f"{ROUTED}.{i}.1/24", "dev", link)
+            else:
+                _ip("-n", self.hub, "link", "set", link, "master", "br0")
             _ip("-n", self.hub, "link", "set", link, "up")
             _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
-            _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", *shape])  # upload
+            if routed:
+                _ip("-n", ns, "route", "add", "default", "via", f"{ROUTED}.{i}.1")
+            upload = _shape(self.up[i])
+            _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", *upload])
             if i in self.firewalled:
                 self._firewall(link)
             else:
-                _run(["ip", "netns", "exec", self.hub, "tc", "qdisc", "add", "dev", link, *shape])  # download
+                download = _shape(self.down[i])
+                _run(["ip", "netns", "exec", self.hub, "tc", "qdisc", "add", "dev", link, *download])
+
+    def _router(self) -> None:
+        """The hub forwards between its links through the delay line: ``dly0`` takes every packet that does
+        not come out of the line (table 100), ``dly1`` gives them back after their delay (main table)."""
+        hub = ["ip", "netns", "exec", self.hub]
+        for key in ("ipv4/ip_forward", "ipv4/conf/all/rp_filter", "ipv4/conf/default/rp_filter"):
+            value = "1" if key.endswith("forward") else "0"
+            _run([*hub, "sh", "-c", f"echo {value} > /proc/sys/net/{key}"])
+        self.line = subprocess.Popen(
+            [*hub, sys.executable, "-m", "peer.bench.delayline", *(f"{d:g}" for d in self.delays or [])],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        assert self.line.stdout is not None
+        if self.line.stdout.readline().strip() != "ready":
+            raise LabError(f"the delay line did not start (exit code {self.line.poll()})")
+        for dev in ("dly0", "dly1"):
+            _ip("-n", self.hub, "link", "set", dev, "up")
+        _ip("-n", self.hub, "rule", "add", "pref", "100", "iif", "dly1", "lookup", "main")
+        _ip("-n", self.hub, "rule", "add", "pref", "200", "lookup", "100")
+        _ip("-n", self.hub, "route", "add", "default", "dev", "dly0", "table", "100")
+
+    def rtt_ms(self, a: int, b: int) -> float:
+        """The median round trip (ms) of a small TCP message from peer ``a``'s namespace to peer ``b``'s."""
+        module = [sys.executable, "-m", "peer.bench.delayline"]
+        server = subprocess.Popen(
+            [*self.prefix(b), *module, "--echo", self.address(b)], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert server.stdout is not None
+            if server.stdout.readline().strip() != "ready":
+                raise LabError("the echo server did not start")
+            done = subprocess.run(
+                [*self.prefix(a), *module, "--rtt", self.address(b)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            if done.returncode:
+                raise LabError(f"the RTT probe failed: {done.stderr.strip()[-300:]}")
+            return float(done.stdout)
+        finally:
+            server.kill()
+            server.wait()
 
     def _firewall(self, link: str) -> None:
         """Shape the download of the peer behind the hub's ``link`` like the others, and let no connection
@@ -119,10 +197,20 @@ class Lab:
         _ip("-n", name, "link", "set", "lo", "up")
 
     def close(self) -> None:
-        """Delete every namespace this lab made (their interfaces go with them)."""
+        """Stop the delay line and delete every namespace this lab made (their interfaces go with them)."""
+        if self.line is not None:
+            self.line.kill()
+            self.line.wait()
+            self.line = None
         for name in reversed(self.made):
             subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
         self.made.clear()
+
+
+def _shape(mbit: float) -> list[str]:
+    """A ``tc qdisc add dev X`` tail that limits X's sending to ``mbit`` Mbit/s (tbf)."""
+    burst = max(int(mbit * 1e6 / 8 / 100), 16 * 1514)  # 10 ms of traffic, at least a few full-size packets
+    return ["root", "tbf", "rate", f"{mbit}mbit", "burst", str(burst), "latency", "200ms"]
 
 
 def _ip(*args: str) -> None:

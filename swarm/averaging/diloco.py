@@ -19,6 +19,12 @@ and the peer need not wait for its own reads of the swarm's progress to show the
 run on 2 cores that wait was 51 ms of the 113 ms that ended each outer round). If the swarm is
 ready before this peer has done its local steps, it joins the round early rather than miss it. While it
 waits it reads the swarm's progress every ``WAITING_READS_EVERY`` (50 ms).
+
+With ``round_seconds`` (``--round-seconds``) the inner phase is bounded by time instead: the target batch
+follows the swarm's summed speed (swarm/patches/progress.py ``pace_by_time``), and every peer takes inner
+steps until the swarm is ready, so volunteers of unequal speed reach the round together, none idle, and each
+pseudo-gradient counts in proportion to the samples behind it (hivemind weighs each peer by the samples it
+reports). ``local_steps`` then plays no part.
 """
 
 from __future__ import annotations
@@ -124,12 +130,17 @@ class DiLoCo:
         inner: torch.optim.Optimizer,
         *,
         local_steps: int,
+        round_seconds: float = 0.0,
         outer_lr: float,
         outer_momentum: float,
         should_stop=lambda: False,
         before_outer_step=lambda: False,
     ) -> None:
         self.inner, self.local_steps = inner, local_steps
+        # > 0: the inner phase ends when the swarm is ready (its target paced to this many seconds of its
+        # compute, swarm/patches/progress.py pace_by_time), not after local_steps
+        self.round_seconds = round_seconds
+        self.full_phase_steps = 0  # inner steps of this peer's last phase that ran a whole round
         # the strategy's StateGuard.undo_nonfinite_update: nothing non-finite leaves in a pseudo-gradient
         self.before_outer_step = before_outer_step
         self.params = [p for group in inner.param_groups for p in group["params"]]
@@ -181,8 +192,17 @@ class DiLoCo:
         same length, so the sum of H steps is at most about H times one step's (the triangle inequality).
         A newcomer that joins a round after 1 inner step, while the others took 16, offers a pseudo-gradient
         about 16x shorter than the group's mean; the round screen (swarm/averaging/screen.py) multiplies its
-        own norm by this, or it would reject that honest round."""
-        return self.local_steps / self.steps if 0 < self.steps < self.local_steps else 1.0
+        own norm by this, or it would reject that honest round. With ``round_seconds``, H is the steps that
+        this peer takes in a whole round: those of its last whole phase, or what its speed gives in
+        ``round_seconds``, whichever is more."""
+        expected = self.local_steps if self.round_seconds <= 0 else self._steps_per_round()
+        return expected / self.steps if 0 < self.steps < expected else 1.0
+
+    def _steps_per_round(self) -> int:
+        speed = float(self.opt.tracker.performance_ema.samples_per_second) if hasattr(self, "opt") else 0.0
+        step = self.samples / self.steps if self.steps else 1
+        by_speed = int(self.round_seconds * speed / step) if speed > 1e-6 else 0
+        return max(self.full_phase_steps, by_speed, 1)
 
     def after_inner_step(self, batch_size: int) -> bool:
         """Count one inner step; run the outer step when due. True if the global epoch advanced."""
@@ -190,7 +210,8 @@ class DiLoCo:
         self.steps += 1
         self.samples += batch_size
         opt.tracker.report_local_progress(opt.local_epoch, self.samples)
-        if self.steps < self.local_steps and not opt.tracker.ready_to_update_epoch:
+        ready = opt.tracker.ready_to_update_epoch
+        if not ready and (self.round_seconds > 0 or self.steps < self.local_steps):
             return False
         return self.outer_step()
 
@@ -219,5 +240,7 @@ class DiLoCo:
         if opt.local_epoch == epoch:  # leaving: keep the inner progress, nothing was averaged
             return False
         self.outer_steps += 1
+        if self.outer_steps > 1:  # the first phase of a peer may have begun in the middle of a round
+            self.full_phase_steps = self.steps
         self.anchors_to_params()
         return True

@@ -157,6 +157,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         compression: str = "none",
         averaging: str = "gradients",
         local_steps: int = 50,
+        round_seconds: float = 0.0,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         close_groups_early: bool = True,
@@ -195,7 +196,12 @@ class HivemindStrategy(SingleDeviceStrategy):
             )
         self.compression = parse_compression(compression)
         self.averaging = averaging
-        self._diloco_args = dict(local_steps=local_steps, outer_lr=outer_lr, outer_momentum=outer_momentum)
+        self._diloco_args = dict(
+            local_steps=local_steps,
+            round_seconds=round_seconds,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+        )
         self.diloco: DiLoCo | None = None
         self.loaded_epoch: int | None = None
         self.resume_epoch, self.resume_optimizer_state = resume_epoch, resume_optimizer_state
@@ -237,6 +243,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             compression=swarm.compression,
             averaging=swarm.averaging,
             local_steps=swarm.local_steps,
+            round_seconds=swarm.round_seconds,
             outer_lr=swarm.outer_lr,
             outer_momentum=swarm.outer_momentum,
             close_groups_early=swarm.close_groups,
@@ -345,6 +352,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             Wiring(
                 update_optimizer=swarm_optimizer,
                 diloco=self.diloco is not None,
+                round_seconds=self.diloco.round_seconds if self.diloco is not None else 0.0,
                 report_every=self.report_every,
                 screen=self.screen,
                 on_rejected=self._on_rejected_round,

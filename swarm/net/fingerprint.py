@@ -31,7 +31,15 @@ log = logging.getLogger(__name__)
 SHARED_FIELDS = {
     "model": ("model_name", "num_classes", "img_size", "patch_size", "embed_dim", "depth", "num_heads"),
     "data": ("dataset",),
-    "swarm": ("target_batch_size", "averaging", "aggregation", "compression", "outer_lr", "outer_momentum"),
+    "swarm": (
+        "target_batch_size",
+        "averaging",
+        "aggregation",
+        "compression",
+        "outer_lr",
+        "outer_momentum",
+        "round_seconds",
+    ),
     "train": ("lr", "weight_decay", "warmup_epochs", "schedule_epochs"),
 }
 # what a monitor needs to match: it evaluates the swarm's model on its own copy of the data

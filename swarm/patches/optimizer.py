@@ -58,6 +58,9 @@ class Wiring:
     diloco: bool = False
     """DiLoCo: no estimate of the swarm at a new epoch (each peer takes its H local steps), agreement judged
     without the extra tensors (each peer's inner AdamW state), and AdamW's counters left alone."""
+    round_seconds: float = 0.0
+    """DiLoCo: > 0 paces the swarm's target batch to what it computes in this many seconds
+    (swarm/patches/progress.py ``pace_by_time``)."""
     report_every: float = 0.25
     """Seconds between two progress records within an epoch (0: hivemind's one per step)."""
     screen: Any = None
@@ -104,6 +107,8 @@ def wire(opt: Any, wiring: Wiring) -> Wired:
     never_cancel_rounds(opt)  # items 5 and 10
     download_the_epoch_it_names(opt)  # item 13
     progress.throttle_progress_reports(opt.tracker, wiring.report_every)  # item 6
+    if wiring.round_seconds > 0:  # item 22; first, so that it sees the records left after the bans
+        progress.pace_by_time(opt.tracker, wiring.round_seconds)
     suspects = robust.suspects()
     if suspects is not None:  # item 21: a banned peer is not counted in this peer's swarm
         progress.leave_out_banned(opt.tracker, lambda peer: suspects.banned_for(peer) > 0)

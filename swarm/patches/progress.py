@@ -25,7 +25,8 @@ otherwise at most one record per interval. :func:`read_soon_while_speeds_unknown
 ``min_refresh_period`` ahead when no speed (or no record) is known. :func:`expect_the_swarm` sets a new
 epoch's estimate from the summed speed of the last read. :func:`read_within` and :func:`meet_peers` bring a
 read forward for a peer that waits (DiLoCo after its inner steps; ``--min-peers`` before the first step).
-:func:`leave_out_banned` reads the swarm without the peers that this peer banned.
+:func:`leave_out_banned` reads the swarm without the peers that this peer banned. :func:`pace_by_time`
+(item 22) makes the target batch what the swarm computes in a given time, at the speeds of its records.
 
 These wrap methods of one running ``ProgressTracker``; nothing here is process-wide. The tracker keeps what
 item 15 needs in a :class:`LastRead` that the wrappers share.
@@ -34,6 +35,7 @@ item 15 needs in a :class:`LastRead` that the wrappers share.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -141,6 +143,28 @@ def leave_out_banned(tracker: Any, banned: Any) -> None:
     tracker._parse_swarm_progress_data = parsed
 
 
+def pace_by_time(tracker: Any, seconds: float) -> None:
+    """Item 22, on one running ``ProgressTracker``: at every read of the swarm's progress, before hivemind
+    estimates the time to the target, the target batch becomes ``seconds`` times the summed speed of the
+    records read (hivemind's ``target_batch_size`` is a fixed number of samples: the time between rounds
+    shrinks as peers join and grows as they leave, and a DiLoCo target of peers x H x batch assumes that
+    every peer computes at one speed). Every peer reads the same records, so they agree on the target to
+    within a read's age. Until a record carries a speed the target stays as configured; it never drops below
+    one sample. A record with a speed that is negative or not finite counts as none (hivemind's own parsing
+    refuses it). Install it before :func:`leave_out_banned`, so that it sees what that leaves."""
+    parse = tracker._parse_swarm_progress_data
+
+    def parsed(metadata: Any) -> Any:
+        entries = metadata.values() if isinstance(metadata, dict) else ()
+        speeds = (_record_speed(e) for e in entries)
+        speed = sum(v for v in speeds if math.isfinite(v) and v > 0)
+        if speed > 1e-6:
+            tracker.target_batch_size = max(1, round(seconds * speed))
+        return parse(metadata)
+
+    tracker._parse_swarm_progress_data = parsed
+
+
 def read_soon_while_speeds_unknown(
     tracker: Any, last: LastRead | None = None, below: float = 1e-6
 ) -> LastRead:
@@ -180,7 +204,10 @@ def _record_speed(entry: Any) -> float:
     """The speed (samples/s) in one record of the swarm's progress as the DHT returns it; 0 if unreadable."""
     value = getattr(entry, "value", None)
     number = value.get("samples_per_second") if isinstance(value, dict) else None
-    return float(number) if isinstance(number, int | float) else 0.0
+    try:
+        return float(number) if isinstance(number, int | float) else 0.0
+    except OverflowError:  # an integer too large for a float
+        return 0.0
 
 
 def expect_the_swarm(tracker: Any, last: LastRead) -> None:

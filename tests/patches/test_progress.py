@@ -299,3 +299,33 @@ def test_a_banned_peer_is_left_out_of_the_swarms_progress(dhts, patched):
             b.report_local_progress(0, 20)
             time.sleep(1.0)
             assert read() == (1, 5)
+
+
+@PLAIN_OR_PATCHED
+def test_the_target_follows_the_swarms_speed_when_paced_by_time(dhts, patched):
+    """pace_by_time (item 22). A (30 samples/s) and B (50) have a target of 10**6 samples: on plain hivemind
+    A's reads keep it, and expect it in 10**6 / 80 s. Paced to 5 s, A's reads make the target 5 x 80 = 400
+    samples, expected about 5 s from the read; when B speeds up to 150 samples/s, 5 x 180 = 900."""
+    target = 10**6
+    with _two_trackers(dhts, f"pytest-rounds-paced-{patched}", target, patched=False) as (a, b):
+        if patched:
+            progress.pace_by_time(a, 5.0)
+        for tracker, speed in ((a, 30.0), (b, 50.0)):
+            tracker.performance_ema.samples_per_second = speed
+            tracker.local_progress = tracker._get_local_progress(0, 1)
+            tracker.should_report_progress.set()
+
+        def read() -> tuple[int, int]:
+            a.global_progress.next_fetch_time = get_dht_time()
+            a.global_state_updated.set()
+            return a.global_progress.num_peers, a.target_batch_size
+
+        expected = 400 if patched else target
+        assert wait_until(lambda: read() == (2, expected), timeout=20, interval=0.25), read()
+        eta = a.global_progress.eta_next_epoch - get_dht_time()
+        assert eta == pytest.approx((expected - 2) / 80.0, abs=0.6), eta
+        b.performance_ema.samples_per_second = 150.0
+        b.local_progress = b._get_local_progress(0, 2)
+        b.should_report_progress.set()
+        expected = 900 if patched else target
+        assert wait_until(lambda: read() == (2, expected), timeout=20, interval=0.25), read()

@@ -13,7 +13,8 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+
+from peer.bench.harness import Built
 
 V1 = Path("/sys/fs/cgroup/cpu")
 V2 = Path("/sys/fs/cgroup")
@@ -35,7 +36,7 @@ def _root() -> Path:
     return V2 if (V2 / "cgroup.controllers").exists() else V1 / "missing"
 
 
-class CpuBudgets:
+class CpuBudgets(Built):
     """One cgroup per quota (in cores: 0.25 is a quarter of one core)."""
 
     def __init__(self, quotas: Sequence[float], tag: str) -> None:
@@ -48,24 +49,16 @@ class CpuBudgets:
     def path(self, i: int) -> Path:
         return self.root / f"swarmlab{self.tag}-{i}"
 
-    def __enter__(self) -> CpuBudgets:
-        try:
-            for i, quota in enumerate(self.quotas):
-                group = self.path(i)
-                group.mkdir()
-                self.made.append(group)
-                if self.root == V1:
-                    (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-                    (group / "cpu.cfs_quota_us").write_text(str(round(quota * PERIOD_US)))
-                else:
-                    (group / "cpu.max").write_text(f"{round(quota * PERIOD_US)} {PERIOD_US}")
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def _build(self) -> None:
+        for i, quota in enumerate(self.quotas):
+            group = self.path(i)
+            group.mkdir()
+            self.made.append(group)
+            if self.root == V1:
+                (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+                (group / "cpu.cfs_quota_us").write_text(str(round(quota * PERIOD_US)))
+            else:
+                (group / "cpu.max").write_text(f"{round(quota * PERIOD_US)} {PERIOD_US}")
 
     def prefix(self, i: int) -> list[str]:
         """A command prefix that runs the program in budget ``i`` (it joins the group, then execs)."""

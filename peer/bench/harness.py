@@ -37,6 +37,28 @@ class Options:
     link_mbit: float = 2.0  # a volunteer's upload (download: 4x)
 
 
+class Built:
+    """A lab resource used as a context manager: ``_build()`` on entry (``close()`` if that fails half-way),
+    ``close()`` on exit."""
+
+    def __enter__(self) -> Any:
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
 def fmt(x: float | None, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 

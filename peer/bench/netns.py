@@ -24,7 +24,8 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any
+
+from peer.bench.harness import Built
 
 SUBNET = "10.213.0"
 ROUTED = "10.214"  # 10.214.<i>.2: peer i of a routed lab (the delay line reads i from the third byte)
@@ -44,7 +45,7 @@ class LabError(RuntimeError):
     pass
 
 
-class Lab:
+class Lab(Built):
     """``peers`` namespaces on one bridge, each link shaped to ``mbit`` Mbit/s both ways; or, with
     ``delays_ms``, on one router with a delay line, each link with its own rates and delay."""
 
@@ -83,17 +84,6 @@ class Lab:
     def prefix(self, i: int) -> list[str]:
         """The command prefix that runs a program in peer ``i``'s namespace."""
         return ["ip", "netns", "exec", self.namespace(i)]
-
-    def __enter__(self) -> Lab:
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def _build(self) -> None:
         routed = self.delays is not None

@@ -7,7 +7,6 @@ says what to fix, never in a traceback.
 
 from __future__ import annotations
 
-import dataclasses
 import faulthandler
 import functools
 import signal
@@ -568,8 +567,19 @@ def bench(
     from peer.bench import Options, run_bench
 
     chosen = list(BENCH_SCENARIOS) if "all" in scenarios else list(dict.fromkeys(scenarios))
-    opts = Options(samples, local_steps, peers, step_batch, peak_tflops, seeds, wan_mbit, repeats)
-    opts = dataclasses.replace(opts, volunteers=volunteers, quotas=quotas, link_mbit=link_mbit)
+    opts = Options(
+        samples,
+        local_steps,
+        peers,
+        step_batch,
+        peak_tflops,
+        seeds,
+        wan_mbit,
+        repeats,
+        volunteers,
+        quotas,
+        link_mbit,
+    )
     run_bench(chosen, Path(out), Path(work_dir), opts)
 
 

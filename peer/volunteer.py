@@ -21,7 +21,7 @@ import torch
 from swarm import patches, suspects
 from swarm.averaging.strategy import HivemindStrategy, lr_of
 from swarm.config import ExperimentConfig, save_config
-from swarm.layout import volunteer_dir
+from swarm.layout import STARTING, volunteer_dir
 from swarm.log import quiet_libraries
 from swarm.net import metrics
 from swarm.net.fingerprint import ConfigPublisher, check_against_swarm, join_line_for, wait_for_peers
@@ -100,7 +100,7 @@ class SwarmReporter(L.Callback):
                         within,
                     )
                 else:
-                    log.info("%d training peers of the run are ready; starting", seen)
+                    log.info("%d %s", seen, STARTING)
         self.started = time.time()
         self.gpu = GpuSampler(next(module.parameters()).device).start()  # NVML; nothing on a CPU
         self.cpu = CpuMeter().start()  # this trainer and its helper processes, while it trains

@@ -15,6 +15,8 @@ from typing import Any
 
 JOIN_PREFIX = "swarm-peer join --initial-peers "
 JOIN_RE = re.compile(re.escape(JOIN_PREFIX) + r"(\S+)")
+# what a peer started with --min-peers logs once they are all there and it takes its first step
+STARTING = "training peers of the run are ready; starting"
 
 
 def join_line(address: str) -> str:

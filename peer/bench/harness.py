@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from swarm.layout import read_summary
+from swarm.layout import STARTING, read_summary
 from swarm.procs import Child, ChildError
 
 if TYPE_CHECKING:
@@ -129,7 +129,6 @@ def summary(log_dir: Path, run: str, name: str) -> dict[str, Any]:
     return read_summary(log_dir, run, name)
 
 
-STARTING = "of the run are ready; starting"  # a peer's log line once --min-peers are there
 STARTUP_S = 600.0
 
 

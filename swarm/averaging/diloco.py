@@ -199,7 +199,7 @@ class DiLoCo:
         return expected / self.steps if 0 < self.steps < expected else 1.0
 
     def _steps_per_round(self) -> int:
-        speed = float(self.opt.tracker.performance_ema.samples_per_second) if hasattr(self, "opt") else 0.0
+        speed = float(self.opt.tracker.performance_ema.samples_per_second)
         step = self.samples / self.steps if self.steps else 1
         by_speed = int(self.round_seconds * speed / step) if speed > 1e-6 else 0
         return max(self.full_phase_steps, by_speed, 1)

@@ -8,6 +8,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from swarm.config import DataConfig, ModelConfig, build_config
 from swarm.training.data import CIFAR_FOLDER, DatasetError, build_datasets, load_cifar10, train_loader
@@ -40,15 +41,28 @@ def test_cifar_loader_reads_the_pickle_layout(tmp_path):
     assert test_y.tolist() == written["test_batch"][1]
 
 
-def test_cifar_datasets_resize_to_the_model_input(tmp_path):
+def test_cifar_batches_reach_the_model_at_32_px_and_the_model_resizes_them(tmp_path):
+    """A 224 px model on CIFAR: the loader sends 32 px images (normalised, cropped and flipped at 32 px),
+    and the model resizes each batch itself, bilinearly, on the batch's device: the loader's CPU workers
+    never build 224 px images (per image in the workers, they held a GPU at 23 % busy)."""
     write_cifar(tmp_path)
     cfg = DataConfig(dataset="cifar10", data_dir=str(tmp_path), download=False, batch_size=4)
     train, val = build_datasets(cfg, img_size=224)
     image, label = train[0]
-    assert image.shape == (3, 224, 224) and 0 <= label <= 9
-    assert val[0][0].shape == (3, 224, 224)
+    assert image.shape == (3, 32, 32) and image.dtype == torch.float32 and 0 <= label <= 9
+    assert val[0][0].shape == (3, 32, 32)
     images, labels = next(iter(train_loader(train, cfg, seed=1)))
-    assert images.shape == (4, 3, 224, 224) and labels.shape == (4,)
+    assert images.shape == (4, 3, 32, 32) and labels.shape == (4,)
+
+    model_cfg = ModelConfig("vit_tiny_patch16_224", img_size=224, depth=1, embed_dim=32, num_heads=2)
+    net = create_model(model_cfg).eval()
+    seen = []
+    net.patch_embed.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape))
+    with torch.no_grad():
+        logits = net(images)
+        resized = F.interpolate(images, size=(224, 224), mode="bilinear", align_corners=False)
+        assert torch.equal(net(resized), logits)  # the same as resizing first: the hook changes nothing else
+    assert logits.shape == (4, 10) and seen == [(4, 3, 224, 224)] * 2
 
 
 def test_missing_cifar_names_the_path_and_the_fix(tmp_path):

@@ -167,6 +167,9 @@ class HivemindStrategy(SingleDeviceStrategy):
         aggregation: str = "centered_clip",
         **optimizer_kwargs: Any,
     ) -> None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # Lightning's set_device needs an index
+            device = torch.device("cuda", 0)
         super().__init__(device=device)
         quiet_hivemind(verbose)
         self.node, self.run_id = node, run_id

@@ -1,8 +1,10 @@
 """Data: CIFAR-10 through torchvision, the embedded offline digits set, and per-peer shuffling.
 
 The offline set is scikit-learn's handwritten digits (1,797 real 8x8 scans, shipped inside the
-scikit-learn wheel): it needs no network, so the demo and the tests run anywhere. Images are scaled
-to the model's input size once, up front, and kept as uint8 tensors.
+scikit-learn wheel): it needs no network, so the demo and the tests run anywhere. Images are kept as
+uint8 tensors: small inputs are scaled to the model's input size once, up front; large ones (CIFAR's 32 px
+for a 224 px model) leave the loader at their stored size and the model resizes each batch on its own
+device (``swarm.training.model.ResizeInput``), so the loader's CPU workers never build 224 px images.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ class DatasetError(RuntimeError):
 
 
 class TensorImageDataset(Dataset):
-    """uint8 images (N, 3, H, W) with int labels; random crop (and optional flip) when ``augment``."""
+    """uint8 images (N, 3, H, W) with int labels, normalised to float at their stored size; random crop
+    (padding of 1/8 of the side, reflected) and optional flip when ``augment``. ``size`` is the model's input
+    size, which the model itself resizes to (``swarm.training.model.ResizeInput``)."""
 
     def __init__(
         self,
@@ -44,18 +48,14 @@ class TensorImageDataset(Dataset):
         self.mean = torch.tensor(mean).view(3, 1, 1)
         self.std = torch.tensor(std).view(3, 1, 1)
         self.size = size
-        self.pad = max(1, size // 8)
+        self.pad = max(1, images.shape[-1] // 8)
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         image = self.images[index].float().div_(255)
-        size = self.size
-        if image.shape[-1] != size:  # large inputs (224 px) are resized per image to save memory
-            image = F.interpolate(
-                image.unsqueeze(0), size=(size, size), mode="bilinear", align_corners=False
-            ).squeeze(0)
+        size = image.shape[-1]
         if self.augment:
             padded = F.pad(image.unsqueeze(0), [self.pad] * 4, mode="reflect").squeeze(0)
             top, left = torch.randint(0, 2 * self.pad + 1, (2,)).tolist()

@@ -72,6 +72,10 @@ class GpuSampler:
         if self.device.type == "cuda":  # the peak counts training only, not the batch-size search before it
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.enabled and self._thread is None:
+            try:  # one sample now: a run shorter than ``every`` still reports its GPU
+                self._sample()
+            except Exception:
+                pass
             self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)
             self._thread.start()
         return self

@@ -19,6 +19,8 @@ import click
 
 from peer.bench import SCENARIOS as BENCH_SCENARIOS
 from peer.options import (
+    BatchSize,
+    auto_batch,
     averaging_options,
     checkpoint_options_for,
     data_options,
@@ -122,7 +124,7 @@ def join(**params: Any) -> None:
 
     Without --initial-peers this peer starts a new swarm and prints the line that others paste.
     """
-    cfg = _config_from(params)
+    cfg = _config_from(auto_batch(params))
     from swarm.log import setup_logging
 
     setup_logging(params["verbose"])
@@ -213,23 +215,6 @@ def status(timeout: float, **params: Any) -> None:
     _exit_quietly()
 
 
-class BatchSize(click.ParamType):
-    """An integer >= 1, or 'auto' (find the largest that fits)."""
-
-    name = "INTEGER|auto"
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
-        if isinstance(value, int) or str(value).lower() == "auto":
-            return value if isinstance(value, int) else "auto"
-        try:
-            number = int(value)
-        except ValueError:
-            self.fail(f"{value!r} is neither a whole number nor 'auto'", param, ctx)
-        if number < 1:
-            self.fail(f"{number} is below 1; give a batch size >= 1 or 'auto'", param, ctx)
-        return number
-
-
 @main.command()
 @click.argument("checkpoint")
 @click.option("--config", default=None, help="Experiment of the checkpoint [the config saved in it].")
@@ -316,10 +301,7 @@ def local(**params: Any) -> None:
     torchrun:      torchrun --nproc_per_node=2 -m peer local --strategy ddp
     CPU rehearsal: swarm-peer local --config ddp_cpu (gloo, 2 processes)
     """
-    batch = params.pop("batch_size")
-    params["auto_batch_size"] = True if batch == "auto" else None
-    params["batch_size"] = None if batch == "auto" else batch
-    cfg = _config_from(params)
+    cfg = _config_from(auto_batch(params))
     from peer.cluster import dist_env, run_local  # heavy: torch, timm, lightning
     from swarm.log import setup_logging
 

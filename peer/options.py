@@ -8,12 +8,38 @@ run's seed is the same on every rank, a peer's is its own) the help text names t
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import click
 
 from swarm.config import AGGREGATION, AVERAGING, DATASETS, DEVICES, PRECISIONS
 
 Decorator = Callable[[Callable], Callable]
+
+
+class BatchSize(click.ParamType):
+    """An integer >= 1, or 'auto' (find the largest that fits)."""
+
+    name = "INTEGER|auto"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
+        if isinstance(value, int) or str(value).lower() == "auto":
+            return value if isinstance(value, int) else "auto"
+        try:
+            number = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a whole number nor 'auto'", param, ctx)
+        if number < 1:
+            self.fail(f"{number} is below 1; give a batch size >= 1 or 'auto'", param, ctx)
+        return number
+
+
+def auto_batch(params: dict[str, Any]) -> dict[str, Any]:
+    """``--batch-size auto`` as the config sees it: ``auto_batch_size`` set and no fixed batch."""
+    batch = params.pop("batch_size", None)
+    params["auto_batch_size"] = True if batch == "auto" else None
+    params["batch_size"] = None if batch == "auto" else batch
+    return params
 
 
 def apply(options: list[Decorator]) -> Decorator:
@@ -172,7 +198,15 @@ def averaging_options(func: Callable) -> Callable:
     """How a peer averages with the swarm (only ``join`` has them: the cluster's ranks average every step)."""
     return apply(
         [
-            click.option("--batch-size", type=int, default=None, help="Per-step batch size of this peer."),
+            click.option(
+                "--batch-size",
+                type=BatchSize(),
+                default=None,
+                help="Per-step batch size of this peer, or 'auto' for the largest that fits its GPU.",
+            ),
+            click.option(
+                "--max-batch-size", type=click.IntRange(1), default=None, help="Upper end of the auto search."
+            ),
             click.option("--peer-name", default=None, help="Name in logs and file names [host-pid]."),
             click.option(
                 "--matchmaking-time", type=float, default=None, help="Seconds to form an averaging group."

@@ -20,7 +20,7 @@ import torch
 
 from swarm import patches, suspects
 from swarm.averaging.strategy import HivemindStrategy, lr_of
-from swarm.config import ExperimentConfig, save_config
+from swarm.config import ConfigError, ExperimentConfig, save_config
 from swarm.layout import STARTING, volunteer_dir
 from swarm.log import quiet_libraries
 from swarm.net import metrics
@@ -39,6 +39,7 @@ from swarm.training.model import (
     resolve_device,
 )
 from swarm.training.sysmetrics import CpuMeter, GpuSampler
+from swarm.training.tuning import largest_batch, step_fits
 
 log = logging.getLogger(__name__)
 READ_METRICS_EVERY = 1.0  # seconds between a peer's reads of the swarm's metrics records (progress line)
@@ -374,6 +375,7 @@ class SwarmReporter(L.Callback):
             "start_checksum": self.start_checksum,
             "final_epoch": self.strategy.local_epoch,
             "data_epochs": round(self.data_epoch(), 4),
+            "batch_size": self.cfg.data.batch_size,
             "checksums": {str(k): v for k, v in self.checksums.items()},
             "history": self.history,
             "first_loss": done[0]["loss"] if done else None,
@@ -495,6 +497,31 @@ def _fit(
         reporter.run_validation(module, strategy.local_epoch)
 
 
+def _largest_batch(cfg: ExperimentConfig, module: SwarmClassifier, device: str) -> int:
+    """``--batch-size auto``: the largest per-step batch whose training step fits this peer's GPU (the same
+    search as local mode's), at most one target batch and ``--max-batch-size``. The search runs before the
+    peer joins, so it never competes with training. On the CPU memory sets no limit worth finding, and a
+    larger batch only makes a step longer: the configured batch stays."""
+    if torch.device(device).type != "cuda":
+        log.info(
+            "--batch-size auto: no GPU memory to fill on the %s; the batch stays %d",
+            device,
+            cfg.data.batch_size,
+        )
+        return cfg.data.batch_size
+    m = cfg.model
+    fits = step_fits(
+        module.net, m.num_classes, m.img_size, torch.device(device), autocast_dtype(cfg.train.precision)
+    )
+    found, _ = largest_batch(
+        fits, cfg.data.batch_size, min(cfg.cluster.max_batch_size, cfg.swarm.target_batch_size)
+    )
+    if found < 1:
+        raise ConfigError(f"not even a batch of 1 fits on {device}; use a smaller model")
+    log.info("Largest batch per step on %s: %d (--batch-size auto)", device, found)
+    return found
+
+
 def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict[str, Any]:
     """Join (or start) the swarm of ``cfg.swarm.run_id`` and train until the stop condition.
 
@@ -518,6 +545,10 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
     torch.manual_seed(seed)  # augmentation randomness differs per peer too
     module = SwarmClassifier(cfg.model, cfg.train)
     resume = _load_resume(cfg, module)
+    if cfg.cluster.auto_batch_size:
+        cfg = dataclasses.replace(
+            cfg, data=dataclasses.replace(cfg.data, batch_size=_largest_batch(cfg, module, device))
+        )
     log.info(
         "Peer %s: %s (%.2f M parameters), %d training images, shuffling seed %d, device %s",
         peer_name,

@@ -391,7 +391,8 @@ class ClusterConfig:
     num_nodes: int = 1
     """Machines in the run; under torchrun it must match --nnodes."""
     auto_batch_size: bool = False
-    """Find the largest per-device batch that fits (a binary search of real training steps) and use it."""
+    """Find the largest per-device batch that fits (a binary search of real training steps) and use it
+    (``--batch-size auto``; for ``join`` too, on a GPU: a swarm peer on the CPU keeps its batch)."""
     max_batch_size: int = 4096
     """Upper end of the batch-size search; on the CPU, where memory is no hard limit, it stops here."""
     snapshot_every: int = 0

@@ -92,7 +92,7 @@ def test_resolved_config_roundtrips_through_yaml(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["join", "--batch-size", "0"], "batch_size=0"),
+        (["join", "--batch-size", "0"], "0 is below 1; give a batch size >= 1 or 'auto'"),
         (["join", "--precision", "fp8"], "Invalid value for '--precision'"),
         (["join", "--config", "no-such-config"], "not found"),
         (["join", "--target-batch-size", "8", "--batch-size", "16"], "smaller than batch_size"),

@@ -166,9 +166,24 @@ def test_max_data_epochs_stops_a_peer_after_passes_over_its_data(peers, tmp_path
     """0.5 passes over the 1438 training images is 719 samples: the peer stops at global epoch 3 (768 in
     optimizer steps of 256). Its progress lines count both; a CPU peer reports no GPU figures."""
     summary, peer = _lone_peer(
-        peers, tmp_path, monkeypatch, "passes", "--max-data-epochs", "0.5", "--log-every", "0.01"
+        peers,
+        tmp_path,
+        monkeypatch,
+        "passes",
+        "--max-data-epochs",
+        "0.5",
+        "--log-every",
+        "0.01",
+        "--batch-size",
+        "auto",
     )
-    assert summary["final_epoch"] == 3 and summary["data_epochs"] == round(3 * 256 / 1438, 4), summary
+    # on the CPU, --batch-size auto keeps the config's batch (no GPU memory to fill)
+    assert "--batch-size auto: no GPU memory to fill on the cpu; the batch stays 32" in peer.output()
+    assert (
+        summary["batch_size"] == 32
+        and summary["final_epoch"] == 3
+        and summary["data_epochs"] == round(3 * 256 / 1438, 4)
+    ), summary
     assert "Reached data epoch 0.53 (max_data_epochs)" in peer.output()
     assert peer.wait_for(r"\| epoch \d+ \| peers 1 \| data epoch \d\.\d\d \|", timeout=1)
     assert summary["mean_gpu_util"] is None and summary["peak_allocated_gb"] is None
@@ -179,8 +194,11 @@ def test_max_data_epochs_stops_a_peer_after_passes_over_its_data(peers, tmp_path
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_peer_on_a_gpu_reports_its_memory_and_utilisation(peers, tmp_path, monkeypatch):
     # a progress line at every global epoch: on an H100 the demo's 6 global epochs take under a second
-    args = ["--device", "cuda", "--max-epochs", "6", "--log-every", "0.01"]
+    args = ["--device", "cuda", "--max-epochs", "6", "--log-every", "0.01", "--batch-size", "auto"]
     summary, peer = _lone_peer(peers, tmp_path, monkeypatch, "gpu", *args)
+    # --batch-size auto on a GPU: the largest step that fits, capped at the target batch (256); the demo's
+    # step at 256 takes well under 1 GB
+    assert summary["batch_size"] == 256 and "Largest batch per step on cuda: 256" in peer.output(), summary
     assert summary["peak_allocated_gb"] > 0 and summary["mean_gpu_util"] is not None, summary
     assert any(h.get("gpu_mem_gb", 0) > 0 for h in summary["history"]), summary["history"]
     assert peer.wait_for(r"\| gpu [\d.]+ GB, \d+% busy", timeout=1)

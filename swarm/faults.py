@@ -21,6 +21,8 @@ list of ``kind@epoch`` or ``kind@epochxcount`` items, e.g. ``kill:allreduce@5`` 
 - ``flip_grad@ExN``: the first N local steps from epoch E produce gradients of an honest size pointing
   uphill (-8 times the true gradient): an invited peer that wants the run to fail, within the screen's 10x
   (what swarm/patches/robust.py is for). ``flip_grad:K@ExN`` multiplies by -K instead (K a whole number).
+- ``random_grad@ExN``: the first N local steps from epoch E replace each parameter's gradient by a random
+  direction of the same norm: numbers of an honest size that carry no information (noise in the mean).
 - ``nan_params@E``: the parameters turn NaN right after the averaging that ends epoch E.
 - ``abandon:join@E``: from global epoch E, the first time the gradient averager asks a leader to take it
   into a group, it gives up before the answer, as a follower whose process is starved for longer than
@@ -49,7 +51,7 @@ if TYPE_CHECKING:  # torch and hivemind load only when a fault is injected: the 
     from hivemind.averaging.control import StepControl
 
 KILL_KINDS = ("kill:accumulating", "kill:matchmaking", "kill:allreduce")
-GRAD_KINDS = ("nan_grad", "inf_grad", "big_grad", "flip_grad")
+GRAD_KINDS = ("nan_grad", "inf_grad", "big_grad", "flip_grad", "random_grad")
 BIG_GRAD_SCALE = -1e4
 FLIP_GRAD_SCALE = -8.0
 LOCAL_KILL = "kill:rank"  # swarm-peer local: the last rank SIGKILLs itself at global epoch E (first attempt)
@@ -143,7 +145,8 @@ class FaultInjector:
                 self.armed.value = _ARMED_ABANDON  # the averager process sets _ABANDONED once it has
 
     def corrupt_gradients(self, module: torch.nn.Module, epoch: int) -> bool:
-        """Turn this step's gradients NaN, Inf or outsized if a gradient fault is due; True if it did."""
+        """Turn this step's gradients NaN, Inf, outsized, flipped or random if a gradient fault is due; True
+        if it did."""
         for fault, left in self._grad_left.items():
             if left > 0 and epoch >= fault.epoch:
                 self._grad_left[fault] = left - 1
@@ -158,6 +161,20 @@ class FaultInjector:
                     for p in module.parameters():
                         if p.grad is not None:
                             p.grad.mul_(scale)
+                    return True
+                if fault.kind == "random_grad":
+                    import torch
+
+                    if left == fault.count:
+                        print(
+                            f"FAULT INJECTED: random gradients of an honest norm for {fault.count} local "
+                            f"steps from global epoch {epoch}",
+                            flush=True,
+                        )
+                    for p in module.parameters():
+                        if p.grad is not None:
+                            noise = torch.randn_like(p.grad)
+                            p.grad.copy_(noise * (p.grad.norm() / noise.norm().clamp(min=1e-12)))
                     return True
                 value = float("nan") if fault.kind == "nan_grad" else float("inf")
                 for p in module.parameters():

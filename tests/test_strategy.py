@@ -9,6 +9,7 @@ import time
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 
 from swarm.averaging.guard import StateGuard, SwarmWedgedError
 from swarm.averaging.strategy import HivemindStrategy
@@ -155,6 +156,24 @@ def test_guard_undoes_a_local_update_that_overflows():
         parse_faults("kill:everything@3")
     (flip,) = parse_faults("flip_grad:4@+2x9")
     assert (flip.kind, flip.scale, flip.epoch, flip.count, flip.relative) == ("flip_grad", -4.0, 2, 9, True)
+
+
+def test_random_gradients_keep_each_tensors_norm_and_lose_its_direction():
+    """The attack bench's ``random_grad``: per parameter a random direction of the honest gradient's norm."""
+    torch.manual_seed(0)  # fixed draws: a 32-number bias could point near its gradient by chance
+    layer = torch.nn.Linear(64, 32)
+    layer(torch.randn(8, 64)).pow(2).sum().backward()
+    honest = [p.grad.clone() for p in layer.parameters()]
+    injector = FaultInjector(parse_faults("random_grad@3x2"))
+    assert not injector.corrupt_gradients(layer, epoch=2)  # not yet due
+    assert all(torch.equal(p.grad, h) for p, h in zip(layer.parameters(), honest, strict=True))
+    for _ in range(2):
+        assert injector.corrupt_gradients(layer, epoch=3)
+        for p, h in zip(layer.parameters(), honest, strict=True):
+            assert torch.allclose(p.grad.norm(), h.norm(), rtol=1e-5)
+            assert abs(F.cosine_similarity(p.grad.flatten(), h.flatten(), dim=0)) < 0.5
+            p.grad.copy_(h)
+    assert not injector.corrupt_gradients(layer, epoch=4)  # 2 steps only
 
 
 def test_bf16_autocast_trains_through_hivemind():

@@ -6,7 +6,10 @@
 - its honest gradient times -8 (``--inject-fault flip_grad``: uphill, of a size the screen lets through)
   into a swarm of two honest peers, with hivemind's weighted mean (``--aggregation mean``) and with the
   robust mean (the default; swarm/patches/robust.py), and the same at x -4 and x -1
-  (``flip_grad:K``), and the same two honest peers without an attacker.
+  (``flip_grad:K``); random directions of its honest gradient's norm (``--inject-fault random_grad``);
+  and the same two honest peers without an attacker. (An inner-product manipulation, a push of -e times the
+  honest mean, is a flip: with one attacker among n honest peers it turns the mean uphill only for e > n,
+  the x -4 and x -8 rows.)
 
 Each row: the honest peers' val acc before the attack and after it, what they rejected and clipped, and
 how long after the attack began each honest peer banned the attacker (swarm/suspects.py). The
@@ -43,6 +46,7 @@ ROWS = (
     Row("x -8 (sign-flipped)", f"flip_grad@+2{ALWAYS}", "screen, robust mean", (), honest=2),
     Row("x -4 (sign-flipped)", f"flip_grad:4@+2{ALWAYS}", "screen, robust mean", (), honest=2),
     Row("x -1 (sign-flipped)", f"flip_grad:1@+2{ALWAYS}", "screen, robust mean", (), honest=2),
+    Row("random, honest norm", f"random_grad@+2{ALWAYS}", "screen, robust mean", (), honest=2),
     Row("none", None, "screen, robust mean", (), honest=2),
 )
 

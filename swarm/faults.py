@@ -150,31 +150,26 @@ class FaultInjector:
         for fault, left in self._grad_left.items():
             if left > 0 and epoch >= fault.epoch:
                 self._grad_left[fault] = left - 1
-                if fault.kind in ("big_grad", "flip_grad"):
+                if fault.kind in ("big_grad", "flip_grad", "random_grad"):
                     scale = BIG_GRAD_SCALE if fault.kind == "big_grad" else (fault.scale or FLIP_GRAD_SCALE)
+                    what = (
+                        "random gradients of an honest norm"
+                        if fault.kind == "random_grad"
+                        else f"gradients x{scale:g}"
+                    )
                     if left == fault.count:
                         print(
-                            f"FAULT INJECTED: gradients x{scale:g} for {fault.count} local steps "
-                            f"from global epoch {epoch}",
+                            f"FAULT INJECTED: {what} for {fault.count} local steps from global epoch {epoch}",
                             flush=True,
                         )
                     for p in module.parameters():
-                        if p.grad is not None:
-                            p.grad.mul_(scale)
-                    return True
-                if fault.kind == "random_grad":
-                    import torch
-
-                    if left == fault.count:
-                        print(
-                            f"FAULT INJECTED: random gradients of an honest norm for {fault.count} local "
-                            f"steps from global epoch {epoch}",
-                            flush=True,
-                        )
-                    for p in module.parameters():
-                        if p.grad is not None:
-                            noise = torch.randn_like(p.grad)
+                        if p.grad is None:
+                            continue
+                        if fault.kind == "random_grad":
+                            noise = p.grad.new_empty(p.grad.shape).normal_()
                             p.grad.copy_(noise * (p.grad.norm() / noise.norm().clamp(min=1e-12)))
+                        else:
+                            p.grad.mul_(scale)
                     return True
                 value = float("nan") if fault.kind == "nan_grad" else float("inf")
                 for p in module.parameters():

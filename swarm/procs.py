@@ -126,6 +126,16 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def _control_socket_open(pid: int) -> bool:
+    """Whether the p2p daemon ``pid`` still has its control socket (``-listen=/unix/<path>``). A daemon that
+    got SIGINT removes it first and exits a moment later: in that moment hivemind's graceful shutdown fails
+    with a traceback (FileNotFoundError on the socket), so such a daemon counts as gone."""
+    for arg in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+        if arg.startswith(b"-listen=/unix/"):
+            return os.path.exists(arg[len(b"-listen=/unix") :].decode(errors="replace"))
+    return True  # no unix control socket named: judged by the process alone
+
+
 def p2p_daemon_alive(pid: int | None = None) -> bool:
     """True if a hivemind p2p daemon (p2pd) still runs below process ``pid`` (default: this process).
 
@@ -134,7 +144,7 @@ def p2p_daemon_alive(pid: int | None = None) -> bool:
     """
     for child in descendants(os.getpid() if pid is None else pid):
         try:
-            if Path(f"/proc/{child}/comm").read_text().strip() == "p2pd":
+            if Path(f"/proc/{child}/comm").read_text().strip() == "p2pd" and _control_socket_open(child):
                 return True
         except OSError:
             continue

@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,3 +241,38 @@ def _zombie(pid: int) -> bool:
     except OSError:
         return True
     return text[text.rfind(")") + 2] == "Z"
+
+
+def test_a_p2p_daemon_that_removed_its_control_socket_counts_as_gone(tmp_path):
+    """Ctrl-C reaches the whole group: p2pd removes its control socket, then exits a moment later. A peer that
+    checked in that moment took the daemon for alive and ran hivemind's graceful shutdown, whose averager
+    printed a FileNotFoundError traceback (seen once in a fresh clone's run of the test above). A stand-in
+    process named p2pd, below a parent of its own, with a control socket path in its arguments."""
+    import subprocess
+    import sys
+
+    from swarm.procs import p2p_daemon_alive
+
+    sock = tmp_path / "p2pd-test.sock"
+    sock.touch()
+    daemon = tmp_path / "p2pd"  # the kernel names a process after the path it was started by
+    daemon.symlink_to(os.path.realpath(sys.executable))
+    child = [str(daemon), "-c", "import time; time.sleep(120)", f"-listen=/unix{sock}"]
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, time; subprocess.Popen({child!r}); time.sleep(120)"],
+        start_new_session=True,
+    )
+    try:
+
+        def named_p2pd() -> bool:
+            return any(
+                Path(f"/proc/{pid}/comm").read_text().strip() == "p2pd" for pid in group_members(parent.pid)
+            )
+
+        wait_until(named_p2pd, timeout=30, interval=0.05)
+        assert p2p_daemon_alive(parent.pid)
+        sock.unlink()
+        assert not p2p_daemon_alive(parent.pid)
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=10)

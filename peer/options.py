@@ -245,6 +245,12 @@ def averaging_options(func: Callable) -> Callable:
                 "gives the plain mean) or hivemind's weighted mean [centered_clip].",
             ),
             click.option(
+                "--check-downloads/--no-check-downloads",
+                default=None,
+                help="Check a state downloaded from a donor against the states the other peers published, "
+                "and ask the next donor if they contradict it [on].",
+            ),
+            click.option(
                 "--compression",
                 default=None,
                 metavar="none|fp16|int8|powersgd:<rank>",

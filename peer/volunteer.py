@@ -7,9 +7,11 @@ what it started, also on errors, Ctrl-C and SIGTERM (what a spot instance gets b
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -19,6 +21,7 @@ import lightning as L
 import torch
 
 from swarm import patches, suspects
+from swarm.averaging import donors
 from swarm.averaging.strategy import HivemindStrategy, lr_of
 from swarm.config import ConfigError, ExperimentConfig, save_config
 from swarm.layout import STARTING, volunteer_dir
@@ -64,6 +67,9 @@ class SwarmReporter(L.Callback):
         self.cpu: CpuMeter | None = None
         self.history: list[dict[str, Any]] = []
         self.checksums: dict[int, list[float]] = {}
+        # the sketches of this peer's state at its last epochs, published for newcomers' download checks
+        self.sketches: collections.deque = collections.deque(maxlen=donors.SKETCHES_KEPT)
+        self.peer_id = strategy.node.dht.peer_id.to_base58()
         self.swarm_sps: float | None = None
         self.rounds_shown = 0  # the strategy's rounds already counted in a progress line
         self.clipped_published = 0  # robust.clipped_parts() at the last record
@@ -108,6 +114,7 @@ class SwarmReporter(L.Callback):
         self.epoch = self.strategy.local_epoch
         self.start_checksum = param_checksum(module)
         self.checksums[self.epoch] = self.start_checksum
+        self._note_sketch(self.epoch)
         self.initial_val = self.run_validation(module, self.epoch)
         reason = self._stop_reason()
         if reason:  # e.g. the swarm's state it loaded is already at max_epochs: no step alone beyond it
@@ -182,6 +189,7 @@ class SwarmReporter(L.Callback):
     def _on_new_epoch(self, module: L.LightningModule) -> None:
         epoch, self.epoch = self.strategy.local_epoch, self.strategy.local_epoch
         self.checksums[epoch] = param_checksum(module)
+        self._note_sketch(epoch)
         sps = self.window_samples / max(time.time() - self.window_start, 1e-6)
         loss = sum(self.losses) / len(self.losses) if self.losses else float("nan")
         entry: dict[str, Any] = {
@@ -212,6 +220,11 @@ class SwarmReporter(L.Callback):
         self._note_bans(banned)
         self._publish(entry, val, banned)
         self._reset_window()
+
+    def _note_sketch(self, epoch: int) -> None:
+        sketch = self.strategy.state_sketch()
+        if sketch is not None and all(math.isfinite(x) for x in sketch):
+            self.sketches.append(metrics.StateSketch(epoch=epoch, sketch=sketch))
 
     def _banned(self) -> list[Any]:
         table = robust.suspects()
@@ -276,6 +289,8 @@ class SwarmReporter(L.Callback):
             data_epoch=float(entry["data_epoch"]) if self.train_images else None,
             gpu_mem_gb=entry.get("gpu_mem_gb"),
             gpu_util=entry.get("gpu_util"),
+            peer_id=self.peer_id,
+            state_sketches=list(self.sketches),
             **_round_fields(entry.get("round")),
         )
         # the swarm's records are read in the background: the answer to a read started at an earlier
@@ -367,7 +382,7 @@ class SwarmReporter(L.Callback):
 
     def summary(self) -> dict[str, Any]:
         done = [h for h in self.history if h["mini_steps"]]
-        table = robust.suspects()
+        table, check = robust.suspects(), self.strategy.donor_check
         return {
             "peer_name": self.peer_name,
             "run_id": self.cfg.swarm.run_id,
@@ -408,6 +423,9 @@ class SwarmReporter(L.Callback):
             "rejected_gradient_rounds": self.strategy.screen.rejected_gradient_rounds,
             "rejected_state_rounds": self.strategy.screen.rejected_state_rounds,
             "rejected_downloads": self.strategy.screen.rejected_downloads,
+            # downloads refused for their donor's numbers (swarm/averaging/donors.py), and those checked
+            "refused_downloads": self.strategy.refused_downloads,
+            "checked_downloads": check.checked if check is not None else 0,
             # parts of groupmates' slices this peer's robust mean scaled down (swarm/patches/robust.py)
             "clipped_parts": robust.clipped_parts(),
             # groupmates whose gradients this peer judged far from the rest (swarm/suspects.py)

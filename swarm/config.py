@@ -186,6 +186,10 @@ class SwarmConfig:
     'centered_clip' (a robust mean: no part further than the others' typical distance from their median
     pulls harder than that; an honest round gives the plain mean) or 'mean' (hivemind's weighted mean). See
     swarm/patches/robust.py."""
+    check_downloads: bool = True
+    """Check every state downloaded from a donor against the states that the other peers published for its
+    global epoch, and take it from the next donor when they contradict it (swarm/averaging/donors.py). A
+    per-peer policy."""
     compression: str = "none"
     """How tensors travel: 'none', 'fp16', 'int8' or 'powersgd:<rank>' (see swarm/compression.py)."""
     averaging: str = "gradients"

@@ -24,6 +24,11 @@ list of ``kind@epoch`` or ``kind@epochxcount`` items, e.g. ``kill:allreduce@5`` 
 - ``random_grad@ExN``: the first N local steps from epoch E replace each parameter's gradient by a random
   direction of the same norm: numbers of an honest size that carry no information (noise in the mean).
 - ``nan_params@E``: the parameters turn NaN right after the averaging that ends epoch E.
+- ``bad_donor@E``: from global epoch E on, the peer declares itself the donor of the newest state (its
+  epoch + ``BAD_DONOR_LEAD``, so that newcomers ask it first) and serves, at its real epoch, random numbers
+  of each parameter's own norm instead of its parameters, drawn from the epoch as a seed (so that bad donors
+  at one epoch serve one state), and publishes that state's sketch as its own (what
+  swarm/averaging/donors.py is for). It trains and averages honestly otherwise.
 - ``abandon:join@E``: from global epoch E, the first time the gradient averager asks a leader to take it
   into a group, it gives up before the answer, as a follower whose process is starved for longer than
   ``request_timeout`` does (the leader has taken it in nonetheless; docs/hivemind-patches.md items 8 and 11).
@@ -56,7 +61,9 @@ BIG_GRAD_SCALE = -1e4
 FLIP_GRAD_SCALE = -8.0
 LOCAL_KILL = "kill:rank"  # swarm-peer local: the last rank SIGKILLs itself at global epoch E (first attempt)
 ABANDON_JOIN = "abandon:join"
-KINDS = (*KILL_KINDS, *GRAD_KINDS, "nan_params", ABANDON_JOIN, LOCAL_KILL)
+BAD_DONOR = "bad_donor"
+BAD_DONOR_LEAD = 100  # epochs by which a bad donor's declared priority runs ahead of its epoch
+KINDS = (*KILL_KINDS, *GRAD_KINDS, "nan_params", BAD_DONOR, ABANDON_JOIN, LOCAL_KILL)
 _ARMED_NONE, _ARMED_MATCHMAKING, _ARMED_ALLREDUCE, _ARMED_ABANDON, _ABANDONED = 0, 1, 2, 3, 4
 
 
@@ -179,6 +186,19 @@ class FaultInjector:
                 return True
         return False
 
+    def serve_bad_state(self, state_averager: Any, epoch: int) -> bool:
+        """From a ``bad_donor`` fault's epoch on, after each global step: declare the newest state and serve
+        random numbers of each parameter's own norm; True if it did."""
+        fault = next((f for f in self.faults if f.kind == BAD_DONOR and epoch >= f.epoch), None)
+        if fault is None:
+            return False
+        if state_averager.serve_filter is None:
+            print(f"FAULT INJECTED: serving random parameters as the newest state from global epoch {epoch}")
+            state_averager.serve_filter = _random_of_the_same_norms
+        if not state_averager.client_mode:
+            state_averager.state_sharing_priority = epoch + BAD_DONOR_LEAD
+        return True
+
     def corrupt_parameters(self, module: torch.nn.Module, epoch: int) -> bool:
         """Turn one parameter NaN right after the averaging that ended ``epoch``, if due; True if it did."""
         for fault in self.faults:
@@ -190,6 +210,19 @@ class FaultInjector:
                     next(module.parameters()).fill_(float("nan"))
                 return True
         return False
+
+
+def _random_of_the_same_norms(params: list[torch.Tensor], epoch: int) -> list[torch.Tensor]:
+    """Random numbers of each parameter's own norm, drawn from a generator seeded with ``epoch``: bad donors
+    at one epoch serve one state (they collude), and each vouches for it in its metrics record."""
+    import torch
+
+    gen = torch.Generator().manual_seed(epoch)
+    out = []
+    for p in params:
+        noise = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        out.append(noise * (p.norm() / noise.norm().clamp(min=1e-12)))
+    return out
 
 
 @cache

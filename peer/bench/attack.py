@@ -7,9 +7,16 @@
   into a swarm of two honest peers, with hivemind's weighted mean (``--aggregation mean``) and with the
   robust mean (the default; swarm/patches/robust.py), and the same at x -4 and x -1
   (``flip_grad:K``); random directions of its honest gradient's norm (``--inject-fault random_grad``);
-  and the same two honest peers without an attacker. (An inner-product manipulation, a push of -e times the
-  honest mean, is a flip: with one attacker among n honest peers it turns the mean uphill only for e > n,
-  the x -4 and x -8 rows.)
+  and the same two honest peers without an attacker;
+- a donor that declares the newest epoch and serves random parameters of the honest norms
+  (``--inject-fault bad_donor``) to a newcomer that joins once the attack began, with the newcomer's
+  download check (swarm/averaging/donors.py) on (the default) and off (``--no-check-downloads``): the
+  newcomer's first val acc against the honest peer's;
+- two attackers among five peers: x -8 into three honest peers, and two colluding bad donors (one state,
+  each vouching for it) to a newcomer.
+
+(An inner-product manipulation, a push of -e times the honest mean, is a flip: with one attacker among n
+honest peers it turns the mean uphill only for e > n, the x -4 and x -8 rows.)
 
 Each row: the honest peers' val acc before the attack and after it, what they rejected and clipped, and
 how long after the attack began each honest peer banned the attacker (swarm/suspects.py). The
@@ -37,6 +44,8 @@ class Row:
     flags: tuple[str, ...]  # every peer's flags (a swarm setting such as --aggregation must match)
     honest_flags: tuple[str, ...] = ()  # the honest peers' own
     honest: int = 1
+    newcomer: tuple[str, ...] | None = None  # a newcomer's own flags: one joins once the attack began
+    attackers: int = 1
 
 
 ROWS = (
@@ -48,7 +57,19 @@ ROWS = (
     Row("x -1 (sign-flipped)", f"flip_grad:1@+2{ALWAYS}", "screen, robust mean", (), honest=2),
     Row("random, honest norm", f"random_grad@+2{ALWAYS}", "screen, robust mean", (), honest=2),
     Row("none", None, "screen, robust mean", (), honest=2),
+    Row("donor: random parameters", "bad_donor@+2", "download check", (), honest=2, newcomer=()),
+    Row(
+        "donor: random parameters",
+        "bad_donor@+2",
+        "no download check",
+        (),
+        honest=2,
+        newcomer=("--no-check-downloads",),
+    ),
+    Row("x -8 (sign-flipped)", f"flip_grad@+2{ALWAYS}", "screen, robust mean", (), honest=3, attackers=2),
+    Row("donor: random parameters", "bad_donor@+2", "download check", (), honest=3, attackers=2, newcomer=()),
 )
+NEWCOMER_AFTER = 8.0  # seconds from the attack's start to the newcomer's (the donor's record is paced at 5 s)
 
 
 def _validations(peer: Peer) -> list[tuple[int, float, float]]:
@@ -86,12 +107,22 @@ def _one(bench: Bench, run_id: str, row: Row) -> None:
         if row.fault is None:
             attack = max(_epoch(peer) for peer in honest) + 2
         else:
-            attacker = join("attacker", "--inject-fault", row.fault, seed=99, address=address)
-            attack = int(
-                attacker.wait_for(r"FAULT INJECTED: .* from global epoch (\d+)", timeout=180).group(1)
+            attackers = [
+                join(f"attacker{i}" if row.attackers > 1 else "attacker", "--inject-fault", row.fault,
+                     seed=98 + i, address=address)
+                for i in range(1, row.attackers + 1)
+            ]  # fmt: skip
+            attack = min(
+                int(a.wait_for(r"FAULT INJECTED: .* from global epoch (\d+)", timeout=180).group(1))
+                for a in attackers
             )
         attack_began = time.time()
-        time.sleep(ATTACK_SECONDS)
+        newcomer = None
+        if row.newcomer is not None:
+            time.sleep(NEWCOMER_AFTER)
+            newcomer = join("newcomer", *row.newcomer, seed=3, address=address)
+            newcomer.wait_for(VALIDATION.pattern, timeout=180)
+        time.sleep(max(0.0, attack_began + ATTACK_SECONDS - time.time()))
         codes = [p.stop(grace=60) for p in started[1:]]
     finally:
         for p in started:
@@ -107,6 +138,7 @@ def _one(bench: Bench, run_id: str, row: Row) -> None:
         "attack": row.attack,
         "defence": row.defence,
         "honest_peers": row.honest,
+        "attackers": 0 if row.fault is None else row.attackers,
         "attack_epoch": attack,
         "attack_seconds": ATTACK_SECONDS,
         "val_acc_before": before,
@@ -115,8 +147,17 @@ def _one(bench: Bench, run_id: str, row: Row) -> None:
         # per honest peer: seconds from the attack's first step to its ban of a groupmate (None: no ban)
         "banned_after_s": [_banned_after(x, attack_began) for x in s],
     }
+    if newcomer is not None:
+        record.update(_newcomer(bench, run_id, newcomer, vals))
     bench.record(record)
     end = f"{fmt(after[-1][2])} after {after[-1][0]} epochs (loss {fmt(after[-1][1])})" if after else "-"
+    if newcomer is not None:
+        print(
+            f"newcomer: val acc {fmt(record['newcomer_val_acc'])} at global epoch {record['newcomer_epoch']} "
+            f"(the honest peer then: {fmt(record['honest_val_acc_then'])}); downloads refused "
+            f"{record['refused_downloads']}, checked {record['checked_downloads']}",
+            flush=True,
+        )
     print(
         f"attack {row.attack}, {row.defence}: honest val acc {before} before global epoch {attack}, "
         f"{[acc for _, _, acc in after[:3]]} in the 9 epochs after, {end}; rejected "
@@ -124,6 +165,21 @@ def _one(bench: Bench, run_id: str, row: Row) -> None:
         + f"; attacker banned after {record['banned_after_s']} s",
         flush=True,
     )
+
+
+def _newcomer(bench: Bench, run_id: str, newcomer: Peer, honest_vals: list) -> dict[str, Any]:
+    """The newcomer's first validation (right after its download) against the honest peer's at or before that
+    epoch, and what its download check did."""
+    first = _validations(newcomer)[0]
+    honest = [acc for epoch, _, acc in honest_vals if epoch <= first[0]] or [None]
+    s = summary(bench.work, run_id, "newcomer")
+    return {
+        "newcomer_epoch": first[0],
+        "newcomer_val_acc": first[2],
+        "honest_val_acc_then": honest[-1],
+        "refused_downloads": s.get("refused_downloads"),
+        "checked_downloads": s.get("checked_downloads"),
+    }
 
 
 REJECTED = (
@@ -151,7 +207,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
         return [
             r.get("attack", "x -10^4 (outsized)"),
             r.get("defence", "screen off" if not r.get("reject_factor") else "screen"),
-            r.get("honest_peers", 1),
+            f"{r.get('honest_peers', 1)} / {r.get('attackers', 1)}",
             ", ".join(fmt(a) for a in r["val_acc_before"]),
             ", ".join(fmt(acc) for _, _, acc in after[:3]) or "-",
             f"{fmt(end[2])} / {fmt(end[1])} at +{end[0]}" if end else "-",
@@ -163,7 +219,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     header = [
         "attacker sends",
         "honest peers use",
-        "honest peers",
+        "honest peers / attackers",
         "val acc, last 2 before the attack",
         "val acc at +3, +6, +9 epochs",
         "val acc / val loss at the end",

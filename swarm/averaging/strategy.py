@@ -38,6 +38,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from swarm import patches
 from swarm.averaging.diloco import DiLoCo
+from swarm.averaging.donors import DonorCheck
 from swarm.averaging.guard import StateGuard, SwarmWedgedError, all_finite
 from swarm.averaging.rounds import RoundClock
 from swarm.averaging.screen import RoundScreen
@@ -46,6 +47,7 @@ from swarm.config import AVERAGING, SwarmConfig
 from swarm.log import quiet_hivemind
 from swarm.patches import grad_averager, matchmaking, progress, robust, traffic
 from swarm.patches.optimizer import Wired, Wiring, wire
+from swarm.patches.state_averager import REFUSE_FOR, state_sketch
 from swarm.procs import p2p_daemon_alive
 
 if TYPE_CHECKING:
@@ -130,6 +132,9 @@ class HivemindStrategy(SingleDeviceStrategy):
             one state already (gradient averaging only; see docs/hivemind-patches.md item 16).
         aggregation: how this peer reduces its slices of every round: 'centered_clip' (robust) or 'mean'
             (hivemind's; see swarm/patches/robust.py).
+        check_downloads: check every state downloaded from a donor against the states that the other peers
+            published for its epoch, and take it from the next donor if they contradict it (see
+            swarm/averaging/donors.py).
         optimizer_kwargs: passed on to ``hivemind.Optimizer``.
     """
 
@@ -165,6 +170,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         reject_factor: float = 10.0,
         skip_agreed_state_rounds: bool = True,
         aggregation: str = "centered_clip",
+        check_downloads: bool = True,
         **optimizer_kwargs: Any,
     ) -> None:
         device = torch.device(device)
@@ -185,6 +191,10 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.agreed_state_rounds = 0  # state rounds skipped because the swarm held one state already
         self.aggregation = aggregation  # how this peer reduces its slices of rounds (swarm/patches/robust.py)
         self.screen = RoundScreen(reject_factor)  # judges every averaged result (swarm/averaging/screen.py)
+        # checks every downloaded state against the swarm's (swarm/averaging/donors.py); refused downloads
+        own = node.dht.peer_id.to_base58()
+        self.donor_check = DonorCheck(node.dht, run_id, own) if check_downloads else None
+        self.refused_downloads = 0
         self._nonfinite_in_row = 0  # local steps in a row with non-finite gradients
         self.clock: RoundClock | None = None
         self._wired: Wired | None = None  # what swarm/patches/optimizer.py hung on the optimizer
@@ -254,6 +264,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             reject_factor=swarm.reject_factor,
             skip_agreed_state_rounds=swarm.skip_agreed_state_rounds,
             aggregation=swarm.aggregation,
+            check_downloads=swarm.check_downloads,
         )
         return cls(node=node, batch_size=batch_size, **{**fields, **kwargs})
 
@@ -262,6 +273,18 @@ class HivemindStrategy(SingleDeviceStrategy):
     def local_epoch(self) -> int:
         """This peer's global epoch (number of swarm optimizer steps it has taken part in)."""
         return self.hivemind_opt.local_epoch if self.hivemind_opt is not None else 0
+
+    def state_sketch(self) -> list[float] | None:
+        """The sketch of the state this peer serves to newcomers now (its parameters as the state averager
+        holds them; DiLoCo's anchors), for the other peers' download checks (swarm/averaging/donors.py)."""
+        if self.hivemind_opt is None:
+            return None
+        averager = self.hivemind_opt.state_averager
+        with averager.lock_averaged_tensors:
+            params = [p for g in averager.optimizer.param_groups for p in g["params"]]
+            if averager.serve_filter is not None:  # the bad_donor fault: what it serves (swarm/faults.py)
+                params = averager.serve_filter([p.detach().cpu() for p in params], averager.local_epoch)
+            return state_sketch(params)
 
     @property
     def bytes_sent(self) -> float:
@@ -365,6 +388,8 @@ class HivemindStrategy(SingleDeviceStrategy):
                 skip_agreed_state_rounds=self.skip_agreed_state_rounds,
                 on_agreed=self._on_agreed_state,
                 on_local_fallback=self._on_local_fallback,
+                check_download=self.donor_check,
+                on_refused=self._on_refused_download,
             ),
         )
         self.clock = self._wired.instrument
@@ -511,6 +536,18 @@ class HivemindStrategy(SingleDeviceStrategy):
             epoch,
         )
 
+    def _on_refused_download(self, donor: str, reason: str) -> None:
+        """A downloaded state was refused (docs/hivemind-patches.md item 23): say so; the next donor is
+        asked."""
+        self.refused_downloads += 1
+        log.warning(
+            "Refused the state downloaded from peer %s: %s. This peer keeps its own state, asks the next "
+            "donor, and does not ask that one again for %.0f s",
+            donor,
+            reason,
+            REFUSE_FOR,
+        )
+
     def _on_rejected_round(self, kind: str, reason: str, samples: int) -> None:
         """The screen refused an averaged result (docs/hivemind-patches.md item 7): say so, with the figure
         (the first rounds of a run of rejections, then every REJECTED_LOG_EVERY-th: an attacker may stay
@@ -591,6 +628,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         with self.hivemind_opt.state_averager.lock_averaged_tensors:
             if self.faults is not None:
                 self.faults.corrupt_parameters(module, self.local_epoch)
+                self.faults.serve_bad_state(self.hivemind_opt.state_averager, self.local_epoch)
             if self.guard.finite():
                 self.guard.save(self.local_epoch)
                 return

@@ -40,6 +40,14 @@ def metrics_key(run_id: str) -> str:
     return f"{run_id}_metrics"
 
 
+class StateSketch(BaseModel):
+    """The sketch of the state a peer held at one global epoch (swarm/patches/state_averager.py
+    ``state_sketch``: its norm, then 4 projections), for newcomers to check a download against."""
+
+    epoch: conint(ge=0, strict=True)
+    sketch: conlist(StrictFloat, min_items=5, max_items=5)
+
+
 class LocalMetrics(BaseModel):
     """One peer's report for one global epoch. Validation fields are set when the peer evaluated."""
 
@@ -75,6 +83,10 @@ class LocalMetrics(BaseModel):
     # on a CPU
     gpu_mem_gb: confloat(ge=0.0, strict=True) | None = None
     gpu_util: confloat(ge=0.0, le=100.0, strict=True) | None = None
+    # this peer's PeerID (base58) and the sketches of the states it held at its last few global epochs
+    # (swarm/averaging/donors.py)
+    peer_id: constr(max_length=64, strict=True) | None = None
+    state_sketches: conlist(StateSketch, max_items=8) | None = None
 
 
 def config_key(run_id: str) -> str:

@@ -80,6 +80,10 @@ class Wiring:
     """Told (epoch, group size) when a state round is skipped in agreement (item 16)."""
     on_local_fallback: Callable[[int], None] | None = None
     """Told the samples of each step on this peer's own gradient after a failed round (item 2)."""
+    check_download: Any = None
+    """A swarm.averaging.donors.DonorCheck: every download is checked against the swarm's state (item 23)."""
+    on_refused: Callable[[str, str], None] | None = None
+    """Told (donor, reason) of every download that the screen or the check refused (item 23)."""
 
 
 @dataclass
@@ -117,6 +121,8 @@ def wire(opt: Any, wiring: Wiring) -> Wired:
         progress.expect_the_swarm(opt.tracker, wired.last_read)  # item 15
     if wiring.screen is not None:
         screen_rounds(opt, wiring.screen, wiring.on_rejected, wiring.own_scale)  # item 7
+    opt.state_averager.check_download = wiring.check_download  # item 23
+    opt.state_averager.on_refused = wiring.on_refused
     # wrappers of the same methods run outermost-last: the clock times the state round that the two below
     # may skip (a skipped round is then not timed as one), and its update hooks come before the lock's
     if wiring.instrument is not None:

@@ -25,6 +25,9 @@ member of a state round takes the largest epoch it gathered, whatever its size.
 - item 13: a download notes the epoch of the state it holds (``held_epoch``).
 - item 18: a donor stores a changed epoch at most every ``DECLARE_EVERY`` seconds.
 - item 3: one all-reduce buffer per dtype and role (swarm/patches/allreduce.py).
+- item 23: a download is checked against what the rest of the swarm holds at its epoch (``check_download``,
+  set by the strategy): the downloader asks one donor at a time, newest first, and a state that other peers
+  contradict is undone and taken from the next donor instead. :func:`state_sketch` is what peers compare.
 
 :func:`install` makes hivemind.Optimizer build this class (it reads the module-level name
 ``TrainingStateAverager`` of optim/optimizer.py:284). The class keeps hivemind's name: the p2p handlers'
@@ -47,6 +50,9 @@ from swarm.patches.allreduce import PacksParts
 
 log = logging.getLogger(__name__)
 DECLARE_EVERY = 5.0  # item 18: seconds between two of a donor's declarations that only change its epoch
+DONORS_TRIED = 3  # item 23: donors asked in one download at most
+REFUSE_FOR = 300.0  # item 23: seconds for which a donor whose state was refused is not asked again
+SKETCH_COLUMNS, SKETCH_DIRECTIONS = 1024, 4  # item 23: a state folded into 1024 sums, then 4 projections
 _ROLE_NAMES = {"PARAMETER": "parameters", "OPTIMIZER": "optimizer statistics"}
 
 
@@ -76,6 +82,48 @@ def sane_epochs(gathered: dict, own_id: Any) -> dict:
     return {peer: min(e, own + 1) if is_int(e) and e > own else own for peer, e in gathered.items()}
 
 
+@cache
+def _sketch_directions() -> torch.Tensor:
+    """The fixed random directions of :func:`state_sketch` (every peer draws the same)."""
+    gen = torch.Generator().manual_seed(20261126)
+    return torch.randn(SKETCH_DIRECTIONS, SKETCH_COLUMNS, generator=gen, dtype=torch.float64)
+
+
+def state_sketch(tensors: list[torch.Tensor]) -> list[float]:
+    """Item 23: five numbers that tell states apart: the L2 norm of all ``tensors`` together, then 4 random
+    projections of them. Each tensor is folded into ``SKETCH_COLUMNS`` column sums (element i to column
+    i mod 1024, rolled by the tensor's index), and the summed folds are projected on 4 fixed random
+    directions; each tensor summed in float32 (a quarter of float64's time: 0.4 s for ViT-B/32's 87.5 M
+    parameters on one CPU thread), the rest in float64; one pass over each tensor, no copy. Equal states give
+    equal sketches (to float32 rounding, about 1e-7 of the norm); two states that differ by a fraction e of
+    their norm give projections that differ by about e of the norm, so a state of random numbers of the right
+    norm, one with its signs flipped, or another run's, differs by about its whole norm."""
+    folded = torch.zeros(SKETCH_COLUMNS, dtype=torch.float64)
+    squares = 0.0
+    with torch.no_grad():
+        for index, tensor in enumerate(tensors):
+            flat = tensor.detach().reshape(-1)
+            n = flat.numel()
+            if n == 0:
+                continue
+            body = n - n % SKETCH_COLUMNS
+            column = torch.zeros(SKETCH_COLUMNS, dtype=torch.float32, device=flat.device)
+            if body:
+                column += flat[:body].view(-1, SKETCH_COLUMNS).sum(0, dtype=torch.float32)
+            if body < n:
+                column[: n - body] += flat[body:].to(torch.float32)
+            folded += column.cpu().double().roll(index)
+            squares += float(torch.linalg.vector_norm(flat, dtype=torch.float32)) ** 2
+    return [squares**0.5, *(_sketch_directions() @ folded).tolist()]
+
+
+def sketch_distance(a: list[float], b: list[float]) -> float:
+    """Item 23: how far apart two states' sketches are, as a fraction of the larger norm (0 for equal
+    states; about 1 or more for unrelated ones)."""
+    scale = max(abs(a[0]), abs(b[0]), 1e-12)
+    return max(abs(x - y) for x, y in zip(a, b, strict=True)) / scale
+
+
 class _SettledState:
     """The methods that make the class of :func:`state_averager_class`: see the module docstring."""
 
@@ -92,6 +140,13 @@ class _SettledState:
         self.screen: Any = None  # item 7: a RoundScreen and its callback, set by swarm.patches.optimizer.wire
         self.on_rejected: Any = None
         self.held_epoch: int | None = None  # item 13: the epoch of the state the last download left here
+        # item 23: a swarm.averaging.donors.DonorCheck, set by the strategy (None: any donor, unchecked); told
+        # of refused donors through on_refused(donor, reason); the donors refused lately (base58 -> until)
+        self.check_download: Any = None
+        self.on_refused: Any = None
+        self.refused_donors: dict[str, float] = {}
+        self.serve_filter: Any = None  # the bad_donor fault (swarm/faults.py): changes the parameters served
+        self._swarm_only_donor: bytes | None = None  # item 23, in the averager process: the one donor to ask
         super().__init__(*args, **kwargs)  # starts the thread that serves the state
 
     async def _step(self: Any, *, step: Any, **kwargs: Any) -> Any:
@@ -156,6 +211,8 @@ class _SettledState:
             CompressionInfo.from_tensor(t, key=i, role=TensorRole.OPTIMIZER)
             for i, t in enumerate(opt_tensors)
         ]
+        if self.serve_filter is not None:
+            params = self.serve_filter(params, epoch)
         metadata = dict(epoch=epoch, group_bits=self.get_group_bits(), optimizer_metadata=opt_metadata)
         return metadata, list(chain(params, extra, opt_tensors)), infos
 
@@ -170,14 +227,102 @@ class _SettledState:
         super()._apply_averaging_results_()
 
     def load_state_from_peers(self: Any, **kwargs: Any) -> Any:
-        """hivemind's state download, judged (item 7); ``held_epoch`` then says which epoch the tensors are
-        (item 13)."""
+        """hivemind's state download, judged (item 7) and, with ``check_download``, checked against the swarm
+        (item 23); ``held_epoch`` then says which epoch the tensors are (item 13)."""
         try:
-            return self._load_screened(**kwargs)
+            if self.check_download is None:
+                return self._load_screened(**kwargs)
+            return self._load_checked(**kwargs)
         finally:
             self.held_epoch = self.local_epoch
 
-    def _load_screened(self: Any, **kwargs: Any) -> Any:
+    def _donors(self: Any) -> list[Any]:
+        """Item 23: the donors that declared themselves in the DHT, newest epoch first (ties in random order,
+        as hivemind's averager.py:689-702), without this peer and the donors refused lately."""
+        import random
+
+        from hivemind.p2p import PeerID
+        from hivemind.utils import ValueWithExpiration
+
+        found = self.dht.get(f"{self.prefix}.all_averagers", latest=True)
+        now = time.monotonic()
+        self.refused_donors = {p: t for p, t in self.refused_donors.items() if t > now}
+        ranked = []
+        for key, info in (found.value if found is not None and isinstance(found.value, dict) else {}).items():
+            if not (isinstance(info, ValueWithExpiration) and isinstance(info.value, float | int)):
+                continue
+            try:
+                peer = PeerID(key)
+            except Exception:  # a malformed record
+                continue
+            if peer != self.peer_id and peer.to_base58() not in self.refused_donors:
+                ranked.append(((float(info.value), random.random()), peer))
+        return [peer for _, peer in sorted(ranked, key=lambda x: x[0], reverse=True)]
+
+    def _load_checked(self: Any, **kwargs: Any) -> Any:
+        """Item 23: ask one donor at a time, newest first (at most ``DONORS_TRIED``); each download is judged
+        by the screen, then by ``check_download`` against the state that the other peers published for its
+        epoch. A contradicted state is undone, with this peer's own epoch, and its donor is not asked again
+        for ``REFUSE_FOR`` seconds."""
+        result = None
+        for donor in self._donors()[:DONORS_TRIED]:
+            name = donor.to_base58()
+            self._outer_pipe.send(("_swarm_ask_only", [donor.to_bytes()], {}))
+            try:
+                with self.check_download.watching():
+                    result, refused = self._load_screened(check=name, **kwargs)
+            finally:
+                self._outer_pipe.send(("_swarm_ask_only", [None], {}))
+            if refused is None:
+                return result
+            self.refused_donors[name] = time.monotonic() + REFUSE_FOR
+            if self.on_refused is not None:
+                self.on_refused(name, refused)
+        return result
+
+    async def _swarm_ask_only(self: Any, donor: bytes | None) -> None:
+        """Item 23, in the averager process: the next downloads ask only ``donor`` (None: any)."""
+        self._swarm_only_donor = donor
+
+    async def _load_state_from_peers(self: Any, future: Any, timeout: float | None = None) -> None:
+        """hivemind's download (averager.py:684-736), from the one donor that ``_swarm_ask_only`` named if
+        any (item 23): the same stream and parts, one peer. Runs in the averager process."""
+        only = self._swarm_only_donor
+        if only is None:
+            return await super()._load_state_from_peers(future, timeout=timeout)
+        from hivemind.compression import deserialize_torch_tensor
+        from hivemind.p2p import PeerID
+        from hivemind.proto import averaging_pb2
+        from hivemind.utils.asyncio import aiter_with_timeout
+        from hivemind.utils.streaming import combine_from_streaming
+
+        if timeout is not None:  # as hivemind: a part's timeout, not the whole download's
+            timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
+        peer = PeerID(only)
+        try:
+            started = time.monotonic()
+            stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+            metadata, parts, tensors = None, [], []
+            async for message in aiter_with_timeout(stream, timeout=timeout):
+                if message.metadata:
+                    metadata = self.serializer.loads(message.metadata)
+                if message.tensor_part.dtype and parts:
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    parts = []
+                parts.append(message.tensor_part)
+            if parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+            if metadata:
+                log.info("Downloaded the state from %s in %.3f s", peer, time.monotonic() - started)
+                future.set_result((metadata, tensors))
+        except Exception as exc:
+            log.info("Could not download the state from %s: %r", peer, exc)
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    def _load_screened(self: Any, check: str | None = None, **kwargs: Any) -> Any:
         """hivemind's state download (state_averager.py:658-698), judged like an averaging round (item 7):
         hivemind.Optimizer downloads from the peer with the newest epoch whenever this peer falls behind, and
         an attacker that runs ahead would otherwise hand its state over. A download replaces the parameters,
@@ -187,7 +332,11 @@ class _SettledState:
         comes at the same epoch). The optimizer's hyperparameters (learning rate, weight decay, betas) stay
         this peer's own: honest peers share them (swarm/net/fingerprint.py) and the schedule sets the rate,
         while a donor's would steer the next updates. A rejected download is undone; the peer keeps its own
-        state and takes the newer epoch (so it does not download again at the next step)."""
+        state and takes the newer epoch (so it does not download again at the next step).
+
+        With ``check`` (the donor's PeerID, item 23) the parameters are checked by ``check_download`` too; a
+        state that the screen rejects or the check refuses is undone with this peer's own epoch (another donor
+        is asked next), and the result is (hivemind's result, why it was refused or None)."""
         from hivemind.optim.state_averager import dump_optimizer_state, load_optimizer_state
 
         with torch.no_grad(), self.lock_averaged_tensors:
@@ -198,31 +347,37 @@ class _SettledState:
         epoch = self.local_epoch
         self._swarm_own_hyper = hyper  # put back before hivemind's scheduler catches up (_update_scheduler)
         result = super().load_state_from_peers(**kwargs)
+        reason = refused = None
         with torch.no_grad(), self.lock_averaged_tensors:
             self._restore_own_hyper()  # a download that ended before the scheduler's catch-up
             after = list(self._local_tensors())
             _, opt_after = dump_optimizer_state(self.optimizer)
             loaded = self.local_epoch != epoch or _changed(before, after) or _changed(opt_before, opt_after)
-            if not loaded or self.screen is None:
-                return result
-            reason = self.screen.judge_state(
-                before,
-                after,
-                _roles(self),
-                kind="download",
-                wholes={"optimizer state": (opt_before, opt_after)},
-            )
-            if reason is not None:
+            if loaded and self.screen is not None:
+                reason = self.screen.judge_state(
+                    before,
+                    after,
+                    _roles(self),
+                    kind="download",
+                    wholes={"optimizer state": (opt_before, opt_after)},
+                )
+            if loaded and check is not None:
+                params = after[: sum(len(g["params"]) for g in self.optimizer.param_groups)]
+                refused = reason or self.check_download.judge(self.local_epoch, state_sketch(params), check)
+            if reason is not None or refused is not None:
                 load_optimizer_state(self.optimizer, opt_metadata, opt_before)
                 self._swarm_own_hyper = hyper
-                self._update_scheduler()  # its own hyperparameters, then the newer epoch's scheduled rates
+                if check is not None:
+                    self.local_epoch = epoch
+                self._update_scheduler()  # its own hyperparameters, then the epoch's scheduled rates
                 for mine, now in zip(before, self._local_tensors(), strict=True):
                     now.copy_(mine)
-        if reason is not None:
+        if reason is not None or refused is not None:
             if not self.reuse_tensors:  # takes the (non-reentrant) tensor lock itself
                 self._load_local_tensors_into_averager_()
+        if reason is not None and check is None:  # with a check, its caller says why (on_refused)
             self.on_rejected("download", reason, 0)
-        return result
+        return result if check is None else (result, refused)
 
     def _restore_own_hyper(self: Any) -> None:
         """This peer's own hyperparameters back into the optimizer after a download (once per download)."""

@@ -629,3 +629,155 @@ def test_a_donor_stores_its_changed_epoch_at_most_once_per_declare_every(request
         assert noted[-1][1] - switched < declare_every - 1.0
     finally:
         donor.shutdown()
+
+
+def test_a_state_sketch_tells_the_same_state_from_drift_and_from_numbers_of_the_right_size():
+    """Item 23's sketch: equal states give equal sketches; a state that drifted by 1e-4 of its norm (an honest
+    peer whose round failed) is about 1e-4 away, well within ``NEAR``; random numbers of each tensor's own
+    norm, the same state with its signs flipped, and another seed's model are about their whole norm away."""
+    from swarm.averaging.donors import NEAR
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.LayerNorm(300), torch.nn.Linear(300, 10))
+    state = _copies(net)
+    sketch = state_averager.state_sketch(state)
+    assert state_averager.state_sketch([t.clone() for t in state]) == sketch
+
+    def norm_of_all(tensors):
+        return sum(float(t.double().square().sum()) for t in tensors) ** 0.5
+
+    noise = [torch.randn_like(t) for t in state]
+    scale = 1e-4 * norm_of_all(state) / norm_of_all(noise)
+    drifted = [t + scale * n for t, n in zip(state, noise, strict=True)]
+    assert 1e-6 < state_averager.sketch_distance(sketch, state_averager.state_sketch(drifted)) < 1e-3 < NEAR
+
+    random_state = [n * (t.norm() / n.norm()) for t, n in zip(state, noise, strict=True)]
+    torch.manual_seed(1)
+    other_seed = _copies(
+        torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.LayerNorm(300), torch.nn.Linear(300, 10))
+    )
+    for far in (random_state, [-t for t in state], other_seed):
+        far_sketch = state_averager.state_sketch(far)
+        assert abs(far_sketch[0] - sketch[0]) < 1e-6 * sketch[0] or far is other_seed  # the same norm
+        assert state_averager.sketch_distance(sketch, far_sketch) > 0.2
+
+
+def _priorities(node, prefix: str) -> dict:
+    """The donors' declared priorities as ``node`` reads them (PeerID bytes -> priority)."""
+    found = node.get(f"{prefix}.all_averagers", latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return {peer: entry.value for peer, entry in found.value.items()}
+
+
+def _publish_sketch(node, run: str, name: str, peer_id: str, epoch: int, tensors: list[torch.Tensor]) -> None:
+    """A metrics record, as a training peer publishes it, with the sketch of ``tensors`` at ``epoch``."""
+    from swarm.net import metrics
+
+    record = metrics.LocalMetrics(
+        peer_name=name,
+        global_epoch=epoch,
+        samples_per_second=1.0,
+        loss=1.0,
+        samples_accumulated=0,
+        mini_steps=1,
+        time=time.time(),
+        peer_id=peer_id,
+        state_sketches=[metrics.StateSketch(epoch=epoch, sketch=state_averager.state_sketch(tensors))],
+    )
+    metrics.publish(node, run, name.encode(), record, expiration=120).result(timeout=10)
+
+
+@PLAIN_OR_PATCHED
+def test_colluding_donors_that_claim_the_newest_epoch_and_serve_random_numbers_are_outvoted(request, patched):
+    """Item 23. hivemind downloads from the donor that declares the highest priority (averaging/averager.py:
+    689-702) and loads whatever it serves whose epoch is not behind (optim/state_averager.py:672). D declares
+    priority 6 and serves, at epoch 5, random numbers of each honest tensor's own norm (which the screen lets
+    through: the sizes are honest); D and E (a colluder) publish that state's sketch as theirs; B, C and F,
+    honest, hold one state at epoch 5 and publish its sketch (B is a donor of priority 5). On plain hivemind
+    the newcomer A takes D's state. With the swarm's state averager and a DonorCheck, A refuses it (2 records
+    for it, 3 against), undoes it, and takes B's (3 for, 2 against); D is not asked again."""
+    from swarm.averaging.donors import DonorCheck
+
+    prefix, run = "pytest-sa-bad-donor", "pytest-sa-bad-donor-run"
+    nodes = _nodes(request, patched, 3)
+    torch.manual_seed(0)
+    nets = [torch.nn.Linear(8, 6) for _ in range(3)]
+    honest = _copies(nets[1])
+    with torch.no_grad():
+        for p, q in zip(nets[2].parameters(), honest, strict=True):
+            noise = torch.randn_like(q)
+            p.copy_(noise * (q.norm() / noise.norm()))
+    random_state, newcomer_own = _copies(nets[2]), _copies(nets[0])
+    a, b, d = _averagers(_class(patched), nodes, nets, prefix)
+    refused: list = []
+    if patched:
+        a.screen, a.on_rejected = RoundScreen(10.0), lambda *args: refused.append(("screen", *args))
+        a.check_download = DonorCheck(nodes[0], run, a.peer_id.to_base58())
+        a.on_refused = lambda donor, reason: refused.append((donor, reason))
+    try:
+        b.local_epoch = d.local_epoch = 5
+        b.state_sharing_priority, d.state_sharing_priority = 5, 6
+        records = [("b", b.peer_id.to_base58(), honest), ("c", "honest-c", honest), ("f", "honest-f", honest)]
+        records += [("d", d.peer_id.to_base58(), random_state), ("e", "colluder-e", random_state)]
+        for name, peer_id, tensors in records:
+            _publish_sketch(nodes[1], run, name, peer_id, 5, tensors)
+        expected = {b.peer_id.to_bytes(): 5, d.peer_id.to_bytes(): 6}
+        assert wait_until(lambda: expected.items() <= _priorities(nodes[0], prefix).items(), timeout=30)
+
+        a.load_state_from_peers(timeout=5)
+        assert a.local_epoch == 5
+        if patched:
+            assert _holds(nets[0], honest), "the newcomer must hold the honest donor's state"
+            ((donor, reason),) = refused
+            assert donor == d.peer_id.to_base58(), refused
+            assert "differ from the state that 3 of the 5 peers published for global epoch 5" in reason, (
+                reason
+            )
+            assert "2 hold the downloaded one" in reason, reason
+            assert a.check_download.refused == 1 and a.check_download.checked == 1
+            assert d.peer_id.to_base58() in a.refused_donors
+        else:
+            assert _holds(nets[0], random_state)  # the attackers' numbers are the newcomer's model
+            assert not _holds(nets[0], newcomer_own)
+    finally:
+        _shutdown(a, b, d)
+
+
+def test_a_download_check_keeps_a_lone_swarms_state_and_refuses_an_epoch_nobody_else_reached(
+    request, monkeypatch
+):
+    """Item 23's rules where no other peer vouches: with no other peer's record at all (a swarm of two) the
+    download is kept unchecked; a donor's own record never counts; a state whose epoch is ahead of every
+    other peer's for ``WAIT_FOR_SKETCHES`` seconds is refused, and so is one whose epoch the other peers
+    passed without publishing it."""
+    from swarm.averaging import donors
+
+    monkeypatch.setattr(donors, "WAIT_FOR_SKETCHES", 1.0)
+    (node,) = request.getfixturevalue("dhts")(1)
+    run = "pytest-donor-rules"
+    check = donors.DonorCheck(node, run, own="newcomer")
+    state = [torch.ones(3, 4), torch.arange(5.0)]
+    sketch = state_averager.state_sketch(state)
+
+    assert check.judge(3, sketch, donor="donor") is None and check.unchecked == 1  # nobody to ask
+
+    _publish_sketch(node, run, "donor", "donor", 3, state)  # the donor vouching for itself
+    check.read()
+    assert check.judge(3, sketch, donor="donor") is None and check.unchecked == 2
+
+    _publish_sketch(node, run, "other", "other", 2, [t * 0.9 for t in state])
+    check.read()
+    started = time.monotonic()
+    reason = check.judge(3, sketch, donor="donor")
+    assert reason == "its global epoch 3 is ahead of every other peer's (the newest of 1: 2)", reason
+    assert time.monotonic() - started >= 1.0 and check.refused == 1
+
+    _publish_sketch(node, run, "other", "other", 4, [t * 0.9 for t in state])
+    check.read()
+    assert (
+        check.judge(3, sketch, donor="donor")
+        == "none of the 1 other peers published its state at global epoch 3"
+    )
+    assert check.judge(4, state_averager.state_sketch([t * 0.9 for t in state]), donor="donor") is None
+    assert check.checked == 1 and check.refused == 2

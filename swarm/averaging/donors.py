@@ -1,0 +1,150 @@
+"""Checking a downloaded state against what the rest of the swarm holds (docs/hivemind-patches.md item 23).
+
+A newcomer, and a peer that fell behind, takes the whole model from one donor. hivemind takes it from the
+donor that declares the newest epoch, and a donor may declare any epoch and serve any numbers: the screen
+(swarm/averaging/screen.py) refuses outsized ones, but random numbers of the right size, or a model trained
+with its signs flipped, would pass it and then be this peer's model, and the state it serves to the next
+newcomer.
+
+So every training peer publishes, in its metrics record, the sketch of the state it held at each of its last
+``SKETCHES_KEPT`` global epochs (swarm/patches/state_averager.py ``state_sketch``: the norm and 4 random
+projections; equal states give equal sketches). While a download runs, :class:`DonorCheck` reads the swarm's
+records every ``WATCH_EVERY`` seconds and keeps every sketch it sees. When the download ends, it compares
+the downloaded parameters' sketch with the sketches that the *other* peers (not the donor, not this one)
+published for the same epoch. Each record is one vote (the donor's own included, this peer's left out): for
+the downloaded state if its sketch is within ``NEAR`` of it (a fraction of the norm; honest peers at one
+epoch hold the same state to about 1e-7, and a peer whose round failed differs by about 1e-4), else for
+another state; votes within ``NEAR`` of each other are for the same other state.
+
+- at least as many votes for the downloaded state as for any one other state: accepted (honest peers that
+  have not averaged yet, each from its own initialisation, hold one state each and outvote nobody);
+- no peer but the donor published that epoch, and no other peer is known at all (a swarm of two): accepted
+  unchecked;
+- otherwise refused: more peers hold one other state (colluding donors that serve and vouch for one bad
+  state are outvoted by more honest peers), or an epoch that no peer but the donor reached for
+  ``WAIT_FOR_SKETCHES`` seconds (a donor that claims a future epoch to be asked first), or one the other
+  peers passed without publishing it. The state averager then undoes the download and asks the next donor.
+
+What it cannot catch: a change too small to tell from an honest peer's drift (under ``NEAR`` of the norm, for
+which the robust mean of the next rounds is the defence), and attackers with as many records as the honest
+peers that hold one state, under as many keys (a record's PeerID is its own claim): one honest peer and one
+attacker tie, and the download is kept. A peer that refused every donor keeps its own state and asks again at
+its next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from swarm.net import metrics
+from swarm.patches.state_averager import sketch_distance
+
+if TYPE_CHECKING:
+    import hivemind
+
+log = logging.getLogger(__name__)
+SKETCHES_KEPT = 8  # global epochs whose sketches a peer's record carries
+WATCH_EVERY = 1.0  # seconds between two reads of the swarm's records while a download runs
+WAIT_FOR_SKETCHES = 5.0  # seconds to wait, after a download, for the other peers' sketches of its epoch
+NEAR = 0.01  # a downloaded state this close (a fraction of its norm) to another peer's counts as the same
+
+
+class DonorCheck:
+    """The check of item 23 for one peer: ``dht`` and ``run_id`` to read the swarm's records, ``own`` this
+    peer's PeerID (base58)."""
+
+    def __init__(self, dht: hivemind.DHT, run_id: str, own: str) -> None:
+        self.dht, self.run_id, self.own = dht, run_id, own
+        self.sketches: dict[int, dict[str, list[float]]] = {}  # epoch -> {peer: sketch}
+        self.newest: dict[str, int] = {}  # peer -> its epoch, in the records of the last read
+        self.checked = self.refused = self.unchecked = 0
+        self._warned: set = set()
+        self._lock = threading.Lock()
+
+    def read(self) -> None:
+        """Read the swarm's records once and keep their sketches (a failed read is skipped)."""
+        try:
+            records = metrics.fetch(self.dht, self.run_id, self._warned, timeout=WATCH_EVERY * 5)
+        except Exception as exc:
+            log.debug("Could not read the swarm's records: %r", exc)
+            return
+        newest = {}
+        with self._lock:
+            for record in records.values():
+                if not record.peer_id or not record.state_sketches:
+                    continue
+                for item in record.state_sketches:
+                    self.sketches.setdefault(item.epoch, {})[record.peer_id] = list(item.sketch)
+                newest[record.peer_id] = record.global_epoch
+            self.newest = newest  # the peers whose records live now
+            for epoch in sorted(self.sketches)[:-64]:  # a long run's old epochs
+                del self.sketches[epoch]
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """Read the swarm's records every ``WATCH_EVERY`` seconds while the body (a download) runs: a long
+        download outlasts the few epochs that a record carries."""
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                self.read()
+                done.wait(WATCH_EVERY)
+
+        watcher = threading.Thread(target=watch, name="donor-check", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            done.set()
+            watcher.join()
+
+    def _seen(self, epoch: int, donor: str) -> tuple[dict[str, list[float]], dict[str, int]]:
+        """The sketches published for ``epoch`` (this peer's left out, the donor's kept), and the other peers'
+        newest epochs (this peer and the donor left out)."""
+        with self._lock:
+            votes = {p: s for p, s in self.sketches.get(epoch, {}).items() if p != self.own}
+            newest = {p: e for p, e in self.newest.items() if p not in (donor, self.own)}
+        return votes, newest
+
+    def judge(self, epoch: int, sketch: list[float], donor: str) -> str | None:
+        """None if the state of global ``epoch`` downloaded from ``donor`` (its sketch) may be kept, else why
+        not (one line)."""
+        deadline = time.monotonic() + WAIT_FOR_SKETCHES
+        while True:
+            votes, newest = self._seen(epoch, donor)
+            if set(votes) - {donor} or not newest:
+                break
+            if time.monotonic() >= deadline:
+                self.refused += 1
+                if max(newest.values()) < epoch:
+                    return (
+                        f"its global epoch {epoch} is ahead of every other peer's (the newest of "
+                        f"{len(newest)}: {max(newest.values())})"
+                    )
+                return f"none of the {len(newest)} other peers published its state at global epoch {epoch}"
+            time.sleep(0.5)
+            self.read()
+        if not set(votes) - {donor}:
+            self.unchecked += 1
+            log.info("No other peer to check the state of global epoch %d against: kept unchecked", epoch)
+            return None
+        same = [p for p, other in votes.items() if sketch_distance(sketch, other) <= NEAR]
+        rest = [votes[p] for p in votes if p not in same]
+        # the most peers that hold one other state: honest peers that have not averaged yet (each from its own
+        # initialisation) hold as many states as there are peers, and outvote nobody
+        rival = max((sum(sketch_distance(x, y) <= NEAR for y in rest) for x in rest), default=0)
+        if len(same) >= rival:
+            self.checked += 1
+            return None
+        self.refused += 1
+        gap = min(sketch_distance(sketch, x) for x in rest)
+        return (
+            f"its parameters differ from the state that {rival} of the {len(votes)} peers published for "
+            f"global epoch {epoch} (by {gap:.2g} of its norm or more; {len(same)} hold the downloaded one)"
+        )

@@ -567,6 +567,7 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
         cfg = dataclasses.replace(
             cfg, data=dataclasses.replace(cfg.data, batch_size=_largest_batch(cfg, module, device))
         )
+        save_config(cfg, out_dir / "config.yaml")  # the batch it trains with
     log.info(
         "Peer %s: %s (%.2f M parameters), %d training images, shuffling seed %d, device %s",
         peer_name,

@@ -24,6 +24,10 @@ list of ``kind@epoch`` or ``kind@epochxcount`` items, e.g. ``kill:allreduce@5`` 
 - ``random_grad@ExN``: the first N local steps from epoch E replace each parameter's gradient by a random
   direction of the same norm: numbers of an honest size that carry no information (noise in the mean).
 - ``nan_params@E``: the parameters turn NaN right after the averaging that ends epoch E.
+- ``bad_state@E``: from global epoch E on, the peer sends random numbers of each parameter's own norm (drawn
+  from the epoch as a seed) instead of its parameters in every state round, and tells its groupmates in the
+  gradient round that it holds another state, so that the state round is held rather than skipped (item 16
+  of docs/hivemind-patches.md). It trains and averages gradients honestly otherwise.
 - ``bad_donor@E``: from global epoch E on, the peer declares itself the donor of the newest state (its
   epoch + ``BAD_DONOR_LEAD``, so that newcomers ask it first) and serves, at its real epoch, random numbers
   of each parameter's own norm instead of its parameters, drawn from the epoch as a seed (so that bad donors
@@ -61,9 +65,9 @@ BIG_GRAD_SCALE = -1e4
 FLIP_GRAD_SCALE = -8.0
 LOCAL_KILL = "kill:rank"  # swarm-peer local: the last rank SIGKILLs itself at global epoch E (first attempt)
 ABANDON_JOIN = "abandon:join"
-BAD_DONOR = "bad_donor"
+BAD_DONOR, BAD_STATE = "bad_donor", "bad_state"
 BAD_DONOR_LEAD = 100  # epochs by which a bad donor's declared priority runs ahead of its epoch
-KINDS = (*KILL_KINDS, *GRAD_KINDS, "nan_params", BAD_DONOR, ABANDON_JOIN, LOCAL_KILL)
+KINDS = (*KILL_KINDS, *GRAD_KINDS, "nan_params", BAD_DONOR, BAD_STATE, ABANDON_JOIN, LOCAL_KILL)
 _ARMED_NONE, _ARMED_MATCHMAKING, _ARMED_ALLREDUCE, _ARMED_ABANDON, _ABANDONED = 0, 1, 2, 3, 4
 
 
@@ -193,10 +197,28 @@ class FaultInjector:
         if fault is None:
             return False
         if state_averager.serve_filter is None:
-            print(f"FAULT INJECTED: serving random parameters as the newest state from global epoch {epoch}")
+            print(
+                f"FAULT INJECTED: serving random parameters as the newest state from global epoch {epoch}",
+                flush=True,
+            )
             state_averager.serve_filter = _random_of_the_same_norms
         if not state_averager.client_mode:
             state_averager.state_sharing_priority = epoch + BAD_DONOR_LEAD
+        return True
+
+    def send_bad_state(self, opt: Any, epoch: int) -> bool:
+        """From a ``bad_state`` fault's epoch on: random parameters in every state round (the state averager's
+        ``round_filter``), and a gradient round's all-gather that asks for the state round; True if due."""
+        fault = next((f for f in self.faults if f.kind == BAD_STATE and epoch >= f.epoch), None)
+        if fault is None:
+            return False
+        averager = opt.state_averager
+        if averager.round_filter is None:
+            print(f"FAULT INJECTED: random parameters in state rounds from global epoch {epoch}", flush=True)
+            averager.round_filter = _random_of_the_same_norms
+            honest = getattr(opt.grad_averager, "gather_hook", None)
+            if honest is not None:  # no summary of its state: the group's state round is held (item 16)
+                opt.grad_averager.gather_hook = lambda: {**honest(), "state": None}
         return True
 
     def corrupt_parameters(self, module: torch.nn.Module, epoch: int) -> bool:

@@ -12,8 +12,10 @@
   (``--inject-fault bad_donor``) to a newcomer that joins once the attack began, with the newcomer's
   download check (swarm/averaging/donors.py) on (the default) and off (``--no-check-downloads``): the
   newcomer's first val acc against the honest peer's;
-- two attackers among five peers: x -8 into three honest peers, and two colluding bad donors (one state,
-  each vouching for it) to a newcomer.
+- random parameters of the honest norms in every state round (``--inject-fault bad_state``, which also
+  tells the group it holds another state, so that the round is held);
+- two attackers among five peers: x -8 into three honest peers, random state rounds, and two colluding bad
+  donors (one state, each vouching for it) to a newcomer.
 
 (An inner-product manipulation, a push of -e times the honest mean, is a flip: with one attacker among n
 honest peers it turns the mean uphill only for e > n, the x -4 and x -8 rows.)
@@ -66,7 +68,9 @@ ROWS = (
         honest=2,
         newcomer=("--no-check-downloads",),
     ),
+    Row("state rounds: random parameters", "bad_state@+2", "screen, robust mean", (), honest=2),
     Row("x -8 (sign-flipped)", f"flip_grad@+2{ALWAYS}", "screen, robust mean", (), honest=3, attackers=2),
+    Row("state rounds: random parameters", "bad_state@+2", "screen, robust mean", (), honest=3, attackers=2),
     Row("donor: random parameters", "bad_donor@+2", "download check", (), honest=3, attackers=2, newcomer=()),
 )
 NEWCOMER_AFTER = 8.0  # seconds from the attack's start to the newcomer's (the donor's record is paced at 5 s)

@@ -19,7 +19,8 @@ another state; votes within ``NEAR`` of each other are for the same other state.
 - at least as many votes for the downloaded state as for any one other state: accepted (honest peers that
   have not averaged yet, each from its own initialisation, hold one state each and outvote nobody);
 - no peer but the donor published that epoch, and no other peer is known at all (a swarm of two): accepted
-  unchecked;
+  unchecked (the check waits up to ``WAIT_FOR_SKETCHES`` seconds for every live peer's record of the epoch:
+  a colluder publishes first);
 - otherwise refused: more peers hold one other state (colluding donors that serve and vouch for one bad
   state are outvoted by more honest peers), or an epoch that no peer but the donor reached for
   ``WAIT_FOR_SKETCHES`` seconds (a donor that claims a future epoch to be asked first), or one the other
@@ -115,25 +116,27 @@ class DonorCheck:
     def judge(self, epoch: int, sketch: list[float], donor: str) -> str | None:
         """None if the state of global ``epoch`` downloaded from ``donor`` (its sketch) may be kept, else why
         not (one line)."""
+        # every other live peer's vote is waited for (an attacker's colluder publishes first), at most
+        # WAIT_FOR_SKETCHES seconds: a peer that is behind, or left, may never publish this epoch
         deadline = time.monotonic() + WAIT_FOR_SKETCHES
         while True:
             votes, newest = self._seen(epoch, donor)
-            if set(votes) - {donor} or not newest:
+            if not set(newest) - set(votes) or time.monotonic() >= deadline:
                 break
-            if time.monotonic() >= deadline:
-                self.refused += 1
-                if max(newest.values()) < epoch:
-                    return (
-                        f"its global epoch {epoch} is ahead of every other peer's (the newest of "
-                        f"{len(newest)}: {max(newest.values())})"
-                    )
-                return f"none of the {len(newest)} other peers published its state at global epoch {epoch}"
             time.sleep(0.5)
             self.read()
         if not set(votes) - {donor}:
-            self.unchecked += 1
-            log.info("No other peer to check the state of global epoch %d against: kept unchecked", epoch)
-            return None
+            if not newest:
+                self.unchecked += 1
+                log.info("No other peer to check the state of global epoch %d against: kept unchecked", epoch)
+                return None
+            self.refused += 1
+            if max(newest.values()) < epoch:
+                return (
+                    f"its global epoch {epoch} is ahead of every other peer's (the newest of "
+                    f"{len(newest)}: {max(newest.values())})"
+                )
+            return f"none of the {len(newest)} other peers published its state at global epoch {epoch}"
         same = [p for p, other in votes.items() if sketch_distance(sketch, other) <= NEAR]
         rest = [votes[p] for p in votes if p not in same]
         # the most peers that hold one other state: honest peers that have not averaged yet (each from its own
@@ -141,6 +144,12 @@ class DonorCheck:
         rival = max((sum(sketch_distance(x, y) <= NEAR for y in rest) for x in rest), default=0)
         if len(same) >= rival:
             self.checked += 1
+            log.info(
+                "Checked the state of global epoch %d: %d of the %d peers that published it hold it",
+                epoch,
+                len(same),
+                len(votes),
+            )
             return None
         self.refused += 1
         gap = min(sketch_distance(sketch, x) for x in rest)

@@ -629,6 +629,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             if self.faults is not None:
                 self.faults.corrupt_parameters(module, self.local_epoch)
                 self.faults.serve_bad_state(self.hivemind_opt.state_averager, self.local_epoch)
+                self.faults.send_bad_state(self.hivemind_opt, self.local_epoch)
             if self.guard.finite():
                 self.guard.save(self.local_epoch)
                 return

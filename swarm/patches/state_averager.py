@@ -146,6 +146,7 @@ class _SettledState:
         self.on_refused: Any = None
         self.refused_donors: dict[str, float] = {}
         self.serve_filter: Any = None  # the bad_donor fault (swarm/faults.py): changes the parameters served
+        self.round_filter: Any = None  # the bad_state fault: changes the parameters this peer sends in rounds
         self._swarm_only_donor: bytes | None = None  # item 23, in the averager process: the one donor to ask
         super().__init__(*args, **kwargs)  # starts the thread that serves the state
 
@@ -215,6 +216,17 @@ class _SettledState:
             params = self.serve_filter(params, epoch)
         metadata = dict(epoch=epoch, group_bits=self.get_group_bits(), optimizer_metadata=opt_metadata)
         return metadata, list(chain(params, extra, opt_tensors)), infos
+
+    def _load_local_tensors_into_averager_(self: Any) -> None:
+        """hivemind's copy of this peer's tensors into what it sends in state rounds
+        (optim/state_averager.py:600); the bad_state fault (swarm/faults.py) then changes the parameters."""
+        super()._load_local_tensors_into_averager_()
+        if self.round_filter is not None and not self.reuse_tensors:
+            count = sum(len(g["params"]) for g in self.optimizer.param_groups)
+            with torch.no_grad(), self.get_tensors() as sent:
+                bad = self.round_filter([t.detach().cpu().clone() for t in sent[:count]], self.local_epoch)
+                for tensor, value in zip(sent[:count], bad, strict=True):
+                    tensor.copy_(value)
 
     def _apply_averaging_results_(self: Any) -> None:
         """hivemind's copy of the averaged state into the model, unless the screen rejects it (item 7)."""

@@ -781,3 +781,41 @@ def test_a_download_check_keeps_a_lone_swarms_state_and_refuses_an_epoch_nobody_
     )
     assert check.judge(4, state_averager.state_sketch([t * 0.9 for t in state]), donor="donor") is None
     assert check.checked == 1 and check.refused == 2
+
+
+def test_a_download_check_waits_for_the_honest_peers_records_that_come_after_a_colluders(
+    request, monkeypatch
+):
+    """Item 23: colluding donors publish their record of an epoch first; the check waits for every live peer's
+    record of that epoch (at most ``WAIT_FOR_SKETCHES``) before it counts, so three honest peers that publish
+    1.5 s later still outvote the two that vouch for the bad state."""
+    from swarm.averaging import donors
+
+    monkeypatch.setattr(donors, "WAIT_FOR_SKETCHES", 10.0)
+    (node,) = request.getfixturevalue("dhts")(1)
+    run = "pytest-donor-race"
+    honest = [torch.ones(3, 4), torch.arange(5.0)]
+    bad = [torch.randn(3, 4), torch.randn(5)]
+    for name in ("h1", "h2", "h3"):
+        _publish_sketch(node, run, name, name, 4, [t * 0.99 for t in honest])  # live, one epoch behind
+    for name in ("c1", "c2"):
+        _publish_sketch(node, run, name, name, 5, bad)
+    check = donors.DonorCheck(node, run, own="newcomer")
+    check.read()
+
+    def honest_later() -> None:
+        time.sleep(1.5)
+        for name in ("h1", "h2", "h3"):
+            _publish_sketch(node, run, name, name, 5, honest)
+
+    later = threading.Thread(target=honest_later)
+    later.start()
+    try:
+        started = time.monotonic()
+        reason = check.judge(5, state_averager.state_sketch(bad), donor="c1")
+        waited = time.monotonic() - started
+    finally:
+        later.join()
+    assert waited >= 1.5, waited
+    assert reason is not None and "the state that 3 of the 5 peers published" in reason, reason
+    assert check.judge(5, state_averager.state_sketch(honest), donor="h1") is None

@@ -35,6 +35,9 @@ from swarm.patches._registry import Patch
 
 _STRANGERS = "_swarm_strangers"  # attribute of one round's AllReduceRunner (ours: set in our own wrapper)
 _ASSEMBLED = "_swarm_assembled"  # attribute of an averager's Matchmaking: the group it assembled last
+NOTED_EVERY = (
+    0.02  # seconds between two looks, while a part of an unknown group waits, at what matchmaking noted
+)
 
 
 class Gathered(dict):
@@ -122,16 +125,26 @@ def _targets() -> list[tuple[Any, str, Any]]:
         """hivemind's ``DecentralizedAverager.rpc_aggregate_part``, with a bounded wait for an unknown group
         (item 8). Runs in the averager process."""
         request = await anext(stream)
-        if request.group_id not in self._running_groups:
-            # hivemind waits here without a limit, for a leader's answer that is still on its way. A group
-            # this averager has assembled and whose trigger it awaits (a pre-scheduled round, averager.py
-            # _step) is known, and registers once triggered: that one is waited for as hivemind does
-            known = request.group_id == getattr(self._matchmaking, _ASSEMBLED, None)
-            limit = None if known else self._matchmaking.request_timeout
+        # hivemind waits here without a limit, for a leader's answer that is still on its way. A group this
+        # averager has assembled and whose trigger it awaits (a pre-scheduled round, averager.py _step) is
+        # known, and registers once triggered: that one is waited for as hivemind does. A part can come a
+        # little before this averager's matchmaking has noted the group (a groupmate began at once): known
+        # is asked again until request_timeout has passed
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._matchmaking.request_timeout
+        while request.group_id not in self._running_groups:
+            if request.group_id == getattr(self._matchmaking, _ASSEMBLED, None):
+                await self._pending_groups_registered.wait()
+                break
+            left = deadline - loop.time()
+            if left <= 0:
+                break
             try:
-                await asyncio.wait_for(self._pending_groups_registered.wait(), limit)
+                await asyncio.wait_for(self._pending_groups_registered.wait(), min(left, NOTED_EVERY))
             except TimeoutError:
-                pass
+                continue
+            if request.group_id not in self._running_groups:  # another group registered: not this one yet
+                await asyncio.sleep(min(left, NOTED_EVERY))
         future = self._running_groups.get(request.group_id)
         if future is None:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)

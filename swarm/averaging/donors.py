@@ -18,13 +18,16 @@ another state; votes within ``NEAR`` of each other are for the same other state.
 
 - at least as many votes for the downloaded state as for any one other state: accepted (honest peers that
   have not averaged yet, each from its own initialisation, hold one state each and outvote nobody);
-- no peer but the donor published that epoch, and no other peer is known at all (a swarm of two): accepted
-  unchecked (the check waits up to ``WAIT_FOR_SKETCHES`` seconds for every live peer's record of the epoch:
-  a colluder publishes first);
+- no peer but the donor published that epoch: accepted unchecked if no other peer is known (a swarm of
+  two), or if the others went past it without publishing it (they jumped over it by downloads of their own,
+  as peers do while a swarm starts), within the ``SKETCHES_KEPT`` epochs their records still carry;
 - otherwise refused: more peers hold one other state (colluding donors that serve and vouch for one bad
-  state are outvoted by more honest peers), or an epoch that no peer but the donor reached for
-  ``WAIT_FOR_SKETCHES`` seconds (a donor that claims a future epoch to be asked first), or one the other
-  peers passed without publishing it. The state averager then undoes the download and asks the next donor.
+  state are outvoted by more honest peers), or an epoch that no peer but the donor reached within
+  ``WAIT_FOR_SKETCHES`` seconds (a donor that claims a future epoch to be asked first), or one older than
+  the records can check. The state averager then undoes the download and asks the next donor.
+
+Before it counts, the check waits up to ``WAIT_FOR_SKETCHES`` seconds for the live peers that have not yet
+reached the epoch (a colluder publishes first).
 
 What it cannot catch: a change too small to tell from an honest peer's drift (under ``NEAR`` of the norm, for
 which the robust mean of the next rounds is the defence), and attackers with as many records as the honest
@@ -116,27 +119,36 @@ class DonorCheck:
     def judge(self, epoch: int, sketch: list[float], donor: str) -> str | None:
         """None if the state of global ``epoch`` downloaded from ``donor`` (its sketch) may be kept, else why
         not (one line)."""
-        # every other live peer's vote is waited for (an attacker's colluder publishes first), at most
-        # WAIT_FOR_SKETCHES seconds: a peer that is behind, or left, may never publish this epoch
+        # the other live peers that have not reached the epoch yet are waited for (an attacker's colluder
+        # publishes first), at most WAIT_FOR_SKETCHES seconds: one that is behind, or left, may never publish
+        # it. One past the epoch has published it already, or jumped over it by a download of its own
         deadline = time.monotonic() + WAIT_FOR_SKETCHES
         while True:
             votes, newest = self._seen(epoch, donor)
-            if not set(newest) - set(votes) or time.monotonic() >= deadline:
+            behind = {p for p, e in newest.items() if e < epoch and p not in votes}
+            if not behind or time.monotonic() >= deadline:
                 break
             time.sleep(0.5)
             self.read()
         if not set(votes) - {donor}:
-            if not newest:
-                self.unchecked += 1
-                log.info("No other peer to check the state of global epoch %d against: kept unchecked", epoch)
-                return None
-            self.refused += 1
-            if max(newest.values()) < epoch:
+            top = max(newest.values(), default=None)
+            if top is not None and top < epoch:
+                self.refused += 1
+                ahead = f"the newest of {len(newest)}: {top}"
+                return f"its global epoch {epoch} is ahead of every other peer's ({ahead})"
+            if top is not None and epoch < top - SKETCHES_KEPT:
+                self.refused += 1
                 return (
-                    f"its global epoch {epoch} is ahead of every other peer's (the newest of "
-                    f"{len(newest)}: {max(newest.values())})"
+                    f"its global epoch {epoch} is older than the states the other peers still publish (the "
+                    f"newest: {top})"
                 )
-            return f"none of the {len(newest)} other peers published its state at global epoch {epoch}"
+            self.unchecked += 1
+            log.info(
+                "No other peer published the state of global epoch %d (%s): kept unchecked",
+                epoch,
+                "there is none" if top is None else "they went past it by downloads",
+            )
+            return None
         same = [p for p, other in votes.items() if sketch_distance(sketch, other) <= NEAR]
         rest = [votes[p] for p in votes if p not in same]
         # the most peers that hold one other state: honest peers that have not averaged yet (each from its own

@@ -10,8 +10,8 @@ So every training peer publishes, in its metrics record, the sketch of the state
 ``SKETCHES_KEPT`` global epochs (swarm/patches/state_averager.py ``state_sketch``: the norm and 4 random
 projections; equal states give equal sketches). While a download runs, :class:`DonorCheck` reads the swarm's
 records every ``WATCH_EVERY`` seconds and keeps every sketch it sees. When the download ends, it compares
-the downloaded parameters' sketch with the sketches that the *other* peers (not the donor, not this one)
-published for the same epoch. Each record is one vote (the donor's own included, this peer's left out): for
+the downloaded parameters' sketch with the sketches that the peers published for the same epoch. Each record
+is one vote (the donor's own included, this peer's left out): for
 the downloaded state if its sketch is within ``NEAR`` of it (a fraction of the norm; honest peers at one
 epoch hold the same state to about 1e-7, a peer whose round failed differs by about 1e-4, and peers that
 stepped alone while the swarm started by up to 0.05), else for another state; votes within ``NEAR`` of

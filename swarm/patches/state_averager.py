@@ -14,8 +14,10 @@ member of a state round takes the largest epoch it gathered, whatever its size.
 **What goes wrong, and what this changes** (items of docs/hivemind-patches.md):
 
 - item 4: a download could catch a donor's update half-applied, or the new epoch's number with the old
-  tensors. The state is served only once the epoch's step has ended, copied under the lock, and copied again
-  when a step began while it copied; :func:`lock_updates` holds the lock while the optimizer updates.
+  tensors, or (while the donor loads a download of its own) the downloaded tensors with its old epoch's
+  number. The state is served only once the epoch's step or the download has ended (and been judged),
+  copied under the lock, and copied again when a step or download began while it copied;
+  :func:`lock_updates` holds the lock while the optimizer updates.
 - item 7: an averaged state and a download are judged by the peer's round screen before they are applied
   (its ``screen`` and ``on_rejected`` attributes); a download is judged whole (the optimizer's state dict
   included, at any epoch), and never changes the optimizer's hyperparameters.
@@ -37,6 +39,7 @@ names are built from the class name, and must match those of other peers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -133,9 +136,11 @@ class _SettledState:
         find_group_within: float | None = None,
         **kwargs: Any,
     ) -> None:
-        self._swarm_settled = threading.Event()  # clear while an epoch's step runs (item 4)
+        self._swarm_settled = threading.Event()  # clear while an epoch's step or a download runs (item 4)
         self._swarm_settled.set()
-        self._swarm_steps = 0  # epoch steps begun (item 4)
+        self._swarm_steps = 0  # epoch steps and downloads begun (item 4)
+        self._swarm_busy = 0  # of which still running
+        self._swarm_busy_lock = threading.Lock()
         self._swarm_find_group_within = find_group_within  # item 12; set before the averager process forks
         self.screen: Any = None  # item 7: a RoundScreen and its callback, set by swarm.patches.optimizer.wire
         self.on_rejected: Any = None
@@ -166,16 +171,27 @@ class _SettledState:
         it synchronously (no delayed updates or averaging): the update and the state round are done then."""
         if not kwargs.get("increment_epoch"):
             return super().step(*args, **kwargs)
-        self._swarm_steps += 1
-        self._swarm_settled.clear()
-        try:
+        with self._unsettled():
             return super().step(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _unsettled(self: Any) -> Any:
+        """Item 4: no state is served while this runs (an epoch's step, a download and its judging)."""
+        with self._swarm_busy_lock:
+            self._swarm_busy += 1
+            self._swarm_steps += 1
+            self._swarm_settled.clear()
+        try:
+            yield
         finally:
-            self._swarm_settled.set()
+            with self._swarm_busy_lock:
+                self._swarm_busy -= 1
+                if self._swarm_busy == 0:
+                    self._swarm_settled.set()
 
     def get_current_state(self: Any) -> tuple[Any, list[torch.Tensor], list[Any]]:
-        """hivemind's get_current_state (optim/state_averager.py:627), once the epoch's step has ended, with
-        copies taken under the lock (item 4)."""
+        """hivemind's get_current_state (optim/state_averager.py:627), once the epoch's step or the download
+        has ended, with copies taken under the lock (item 4)."""
         from itertools import chain
 
         from hivemind.compression import CompressionInfo, TensorRole
@@ -185,7 +201,9 @@ class _SettledState:
         deadline = time.monotonic() + wait
         while True:
             if not self._swarm_settled.wait(max(0.0, deadline - time.monotonic())):
-                log.info("Sent no state to a peer: this one was in an epoch's step for %.1f s", wait)
+                log.info(
+                    "Sent no state to a peer: this one was in an epoch's step or a download for %.1f s", wait
+                )
                 return None, [], []  # no part: the downloader asks the next peer (averager.py)
             begun = self._swarm_steps
             with torch.no_grad(), self.lock_averaged_tensors:
@@ -240,13 +258,17 @@ class _SettledState:
 
     def load_state_from_peers(self: Any, **kwargs: Any) -> Any:
         """hivemind's state download, judged (item 7) and, with ``check_download``, checked against the swarm
-        (item 23); ``held_epoch`` then says which epoch the tensors are (item 13)."""
-        try:
-            if self.check_download is None:
-                return self._load_screened(**kwargs)
-            return self._load_checked(**kwargs)
-        finally:
-            self.held_epoch = self.local_epoch
+        (item 23); ``held_epoch`` then says which epoch the tensors are (item 13). This peer serves no state
+        until the download is judged and its epoch set (item 4): hivemind copies the downloaded tensors under
+        the lock but numbers their epoch after it (state_averager.py:682-697), and a state that the check
+        would refuse must not be passed on."""
+        with self._unsettled():
+            try:
+                if self.check_download is None:
+                    return self._load_screened(**kwargs)
+                return self._load_checked(**kwargs)
+            finally:
+                self.held_epoch = self.local_epoch
 
     def _donors(self: Any) -> list[Any]:
         """Item 23: the donors that declared themselves in the DHT, newest epoch first (ties in random order,

@@ -232,6 +232,62 @@ def test_a_download_during_the_donors_epoch_step_never_gets_the_new_epoch_with_t
         _shutdown(a, b)
 
 
+@PLAIN_OR_PATCHED
+def test_a_peer_loading_a_download_never_serves_the_downloaded_state_with_its_old_epoch(request, patched):
+    """Item 4, a download from a peer that is loading one of its own. hivemind copies the downloaded tensors
+    under the lock (optim/state_averager.py:682-690) and numbers their epoch only after it (line 697), having
+    copied them into what its averager sends (``_load_local_tensors_into_averager_``, line 695) in between. A
+    downloads B's state of epoch 5 and is held there; C downloads from the newest donor, A (priority 10).
+
+    On plain hivemind C gets B's tensors numbered with A's old epoch 0 (in a localhost swarm, a newcomer's
+    download check then compared epoch 6's tensors with the swarm's records of epoch 0 and refused an honest
+    donor). The swarm's state averager serves nothing until A's download is done (C waits half of A's
+    ``next_chunk_timeout``, then asks the next donor, B): C holds B's state at epoch 5."""
+    prefix = "pytest-sa-loading"
+    nodes = _nodes(request, patched, 3)
+    torch.manual_seed(0)
+    nets = [torch.nn.Linear(4, 3) for _ in range(3)]
+    base = _class(patched)
+    held, c_done = threading.Event(), threading.Event()
+
+    def hold_once(self) -> None:  # A, between hivemind's copy of the download and its epoch
+        if getattr(self, "hold_next_copy", False):
+            self.hold_next_copy = False
+            held.set()
+            c_done.wait(timeout=30)
+        base._load_local_tensors_into_averager_(self)
+
+    a, b, c = _averagers(
+        [_class(patched, _load_local_tensors_into_averager_=hold_once), base, base], nodes, nets, prefix
+    )
+    at_b = _copies(nets[1])
+    loading = threading.Thread(target=lambda: a.load_state_from_peers(timeout=20), daemon=True)
+    try:
+        b.local_epoch = 5
+        a.state_sharing_priority, b.state_sharing_priority = 10, 5
+        a.next_chunk_timeout = 2.0
+        expected = {a.peer_id.to_bytes(): 10, b.peer_id.to_bytes(): 5}
+        for node in nodes:
+            assert wait_until(lambda n=node: expected.items() <= _priorities(n, prefix).items(), timeout=30)
+
+        a.hold_next_copy = True
+        loading.start()
+        assert held.wait(timeout=30), "A never downloaded B's state"
+        assert a.local_epoch == 0 and _holds(nets[0], at_b)  # the tensors are in, the epoch not yet
+        c.load_state_from_peers(timeout=10)
+        c_done.set()
+        loading.join(timeout=30)
+        assert not loading.is_alive() and a.local_epoch == 5 and _holds(nets[0], at_b)
+        assert _holds(nets[2], at_b)
+        if patched:
+            assert c.local_epoch == 5  # from B, after A sent nothing
+        else:
+            assert c.local_epoch == 0  # epoch 5's tensors under A's old number
+    finally:
+        c_done.set()
+        _shutdown(a, b, c)
+
+
 class _AskedLock:
     """A tensor lock (delegating to the averager's) that notes when a thread other than the test's asks for
     it with ``with``, as ``get_current_state`` does."""

@@ -110,3 +110,47 @@ def test_config_fingerprint_refuses_a_mismatch_and_ignores_forged_records(two_no
     assert not b.store(key, subkey=key_a, value=forged, expiration_time=get_dht_time() + 30)
     assert not b.store(key, subkey=key_b, value={"fingerprint": 7}, expiration_time=get_dht_time() + 30)
     assert check_against_swarm(b, cfg) == 1
+
+
+def test_a_record_that_passed_is_not_checked_again_and_a_changed_one_is():
+    """The DHT validates every record of every node's answer to every read; the chain remembers the records
+    that passed (by their bytes), so each is parsed and its signature checked once. A record that differs
+    in any byte (value, expiration, sender) is checked again, and a forged one still fails."""
+    import dataclasses
+
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    (chain,), public_key = metrics.make_validators(RUN_ID, RSAPrivateKey())
+    checked: list = []
+    inner = chain.inner.validate
+    chain.inner.validate = lambda record: checked.append(record) or inner(record)
+
+    def signed(record: metrics.LocalMetrics, expiration: float) -> DHTRecord:
+        unsigned = DHTRecord(
+            key=DHTID.generate(source=metrics.metrics_key(RUN_ID)).to_bytes(),
+            subkey=MSGPackSerializer.dumps(public_key),
+            value=MSGPackSerializer.dumps(record.dict()),
+            expiration_time=expiration,
+        )
+        return dataclasses.replace(unsigned, value=chain.sign_value(unsigned))
+
+    expiration = get_dht_time() + 30
+    record = signed(_record(), expiration)
+    assert all(chain.validate(record) for _ in range(5))
+    assert len(checked) == 1
+
+    # the signature covers the expiration: the same value stored to expire later is a new record
+    later = dataclasses.replace(record, expiration_time=expiration + 1)
+    assert not chain.validate(later) and len(checked) == 2
+    # a value changed after signing fails, and keeps failing
+    forged = dataclasses.replace(record, value=record.value.replace(b"\xa1p", b"\xa1q"))
+    assert forged.value != record.value
+    assert not chain.validate(forged) and not chain.validate(forged) and len(checked) == 4
+    # a validator merged in later (hivemind.Optimizer adds its own) judges the records that passed before
+    from hivemind.dht.schema import SchemaValidator
+    from hivemind.optim.progress_tracker import TrainingProgressSchema
+
+    chain.merge_with(SchemaValidator(TrainingProgressSchema, prefix=RUN_ID))
+    assert chain.validate(record) and len(checked) == 5

@@ -5,6 +5,7 @@ key as the subkey. hivemind's RSASignatureValidator signs the record, so only th
 write its subkey, and SchemaValidator rejects records of the wrong shape before they enter the DHT.
 """
 
+import collections
 import hashlib
 import logging
 from typing import TYPE_CHECKING, Any
@@ -154,6 +155,9 @@ def _schema():
     return MetricSchema
 
 
+PASSED_KEPT = 4096  # records that passed validation, remembered (AuditingValidator)
+
+
 class AuditingValidator(RecordValidatorBase):
     """Applies the schema and signature validators and warns once per sender whose record it rejects.
 
@@ -165,9 +169,20 @@ class AuditingValidator(RecordValidatorBase):
     def __init__(self, validators: list) -> None:
         self.inner = CompositeValidator(validators)
         self.warned: set[bytes] = set()
+        self.passed: collections.OrderedDict[DHTRecord, None] = collections.OrderedDict()
 
     def validate(self, record: DHTRecord) -> bool:
+        # A record is judged by its bytes alone (schema; signature over key, subkey, value, expiration),
+        # and the DHT sees the same ones again and again: every node's answer to a read carries every peer's
+        # record, and a record stays unchanged until its peer's next epoch. Records that passed are remembered
+        # (the last PASSED_KEPT), so each is parsed and its signature checked once per process.
+        if record in self.passed:
+            self.passed.move_to_end(record)
+            return True
         if self.inner.validate(record):
+            self.passed[record] = None
+            if len(self.passed) > PASSED_KEPT:
+                self.passed.popitem(last=False)
             return True
         who = record.subkey if record.subkey else record.key
         if who not in self.warned:
@@ -187,6 +202,7 @@ class AuditingValidator(RecordValidatorBase):
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
         self.inner.extend([other])
+        self.passed.clear()  # passed the old chain, not yet the new one
         return True
 
 

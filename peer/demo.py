@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from swarm.config import ExperimentConfig
 from swarm.layout import summary_path
@@ -135,6 +137,11 @@ def run_demo(cfg: ExperimentConfig, config_name: str, n_peers: int, invite_only:
     procs: dict[str, Child] = {}
     interrupted = False
     codes: dict[str, int | None] = {}
+
+    def terminated(signum: int, frame: Any) -> None:  # `kill`, `timeout`, a service manager: as Ctrl-C
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminated)
     try:
         monitor = procs["monitor"] = _start(
             "monitor", base + ["monitor", *common, "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--threads", "1"]
@@ -166,13 +173,15 @@ def run_demo(cfg: ExperimentConfig, config_name: str, n_peers: int, invite_only:
         codes.update({name: procs[name].proc.wait() for name in names})
     except KeyboardInterrupt:
         interrupted = True
-        print("\nCtrl-C: stopping every peer of the demo ...", flush=True)
+        print("\nInterrupted: stopping every peer of the demo ...", flush=True)
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the peers are stopped in order below, whatever comes
         for name, child in reversed(list(procs.items())):
             code = child.stop(grace=30.0)  # the monitor finishes its TensorBoard points and checkpoint
             if name == "monitor" and not interrupted:
                 codes[name] = code if code is not None else 0
         remove_stale_sockets(since=started, settle=3.0)
+        signal.signal(signal.SIGTERM, previous)
     _print_summary(cfg, _summarise(cfg, [n for n in procs if n != "monitor"]), time.time() - started)
     _print_monitor(cfg)
     if interrupted:

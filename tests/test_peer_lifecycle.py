@@ -276,3 +276,39 @@ def test_a_p2p_daemon_that_removed_its_control_socket_counts_as_gone(tmp_path):
     finally:
         os.killpg(parent.pid, signal.SIGKILL)
         parent.wait(timeout=10)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def test_a_demo_stopped_by_sigterm_stops_its_peers_first(peers, tmp_path):
+    """`kill`, `timeout` or a service manager signals the demo's own process only: its monitor and peers run
+    in process groups of their own, and must not be left behind, training on with nobody reading their
+    output."""
+    args = ["demo", "--peers", "1", "--max-epochs", "100000", "--log-dir", str(tmp_path)]
+    demo = PeerProcess("demo", [*args, "--run-id", "pytest-term"], peers)
+    demo.wait_for(r"\[\s*peer1\] .*\| epoch \d+ \|", timeout=180)
+    children = _children(demo.proc.pid)
+    assert len(children) == 2, children  # the monitor and peer1
+    try:
+        os.kill(demo.proc.pid, signal.SIGTERM)
+        assert demo.wait(timeout=120) == 130, demo.output()[-3000:]
+        assert wait_until(lambda: not any(group_members(c) for c in children), timeout=30), [
+            group_members(c) for c in children
+        ]
+    finally:
+        for child in children:  # if the demo left them: its own children, by their process groups
+            if group_members(child):
+                os.killpg(child, signal.SIGKILL)
+    assert "Interrupted: stopping every peer of the demo" in demo.output()

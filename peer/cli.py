@@ -420,7 +420,7 @@ def revoke(
 @click.option(
     "--invite",
     default=None,
-    help="Invite every peer uses [a new owner key and invite under the run's folder].",
+    help="Invite every process uses [a new owner key and one invite per process under the run's folder].",
 )
 @click.option("--open", "open_swarm", is_flag=True, help="Run an open swarm (anyone may join) instead.")
 @_fail_cleanly

@@ -110,30 +110,42 @@ def _print_summary(cfg: ExperimentConfig, summaries: list[dict], wall: float) ->
     print(f"wall time {wall:.0f} s; logs and summaries under {Path(cfg.train.log_dir) / cfg.swarm.run_id}")
 
 
-def _demo_invite(cfg: ExperimentConfig) -> str:
-    """A new owner key and one invite (valid for a day) under the run's folder; the invite's path."""
+def _demo_invites(cfg: ExperimentConfig, names: list[str]) -> dict[str, str]:
+    """A new owner key and one invite per process of the demo (valid for a day) under the run's folder; their
+    paths by name. One each, as the owner hands them to volunteers: a newcomer's download check counts one
+    vote per invite (swarm/averaging/donors.py)."""
     from swarm.net.invite import describe, load_or_create_owner_key, make_invite
 
     run_dir = Path(cfg.train.log_dir) / cfg.swarm.run_id
     key, _ = load_or_create_owner_key(run_dir / "owner.pem")
-    invite = make_invite(key, cfg.swarm.run_id, "demo", 86400.0)
-    invite.save(run_dir / "invite.tok")
+    paths = {}
+    for name in names:
+        invite = make_invite(key, cfg.swarm.run_id, name, 86400.0)
+        path = run_dir / "invites" / f"{name}.tok"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        invite.save(path)
+        paths[name] = str(path)
     print(
-        f"Invite-only swarm ({describe(invite)}): owner key {run_dir / 'owner.pem'}, every peer uses "
-        f"--invite {run_dir / 'invite.tok'}; `swarm-peer demo --open` runs an open one",
+        f"Invite-only swarm: owner key {run_dir / 'owner.pem'}, one invite per process ({describe(invite)}, "
+        f"and the others) in {run_dir / 'invites'}; `swarm-peer demo --open` runs an open one",
         flush=True,
     )
-    return str(run_dir / "invite.tok")
+    return paths
 
 
 def run_demo(cfg: ExperimentConfig, config_name: str, n_peers: int, invite_only: bool = True) -> int:
     """Start a monitor and ``n_peers`` training peers on 127.0.0.1; 0 if every peer finished cleanly.
-    Invite-only unless ``invite_only`` is false: every peer uses ``cfg.swarm.invite`` or a new invite."""
+    Invite-only unless ``invite_only`` is false: every peer uses ``cfg.swarm.invite``, or an invite of its own
+    that the demo makes."""
     started = time.time()
     base = [sys.executable, "-m", "peer"]
     common = ["--config", config_name, "--run-id", cfg.swarm.run_id, "--log-dir", cfg.train.log_dir]
+    names = [f"peer{i + 1}" for i in range(n_peers)]
+    invites: dict[str, list[str]] = {name: [] for name in ["monitor", *names]}
     if invite_only:
-        common += ["--invite", cfg.swarm.invite or _demo_invite(cfg)]
+        given = cfg.swarm.invite
+        paths = dict.fromkeys(invites, given) if given else _demo_invites(cfg, list(invites))
+        invites = {name: ["--invite", path] for name, path in paths.items()}
     procs: dict[str, Child] = {}
     interrupted = False
     codes: dict[str, int | None] = {}
@@ -144,18 +156,21 @@ def run_demo(cfg: ExperimentConfig, config_name: str, n_peers: int, invite_only:
     previous = signal.signal(signal.SIGTERM, terminated)
     try:
         monitor = procs["monitor"] = _start(
-            "monitor", base + ["monitor", *common, "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--threads", "1"]
+            "monitor",
+            base
+            + ["monitor", *common, *invites["monitor"], "--host-maddr", "/ip4/127.0.0.1/tcp/0"]
+            + ["--threads", "1"],
         )
         try:
             address = monitor.join_address(timeout=120)
         except ChildError:
             log.error("The monitor did not come up; see its output above")
             return 1
-        names = [f"peer{i + 1}" for i in range(n_peers)]
         for i, name in enumerate(names):
             cmd = base + [
                 "join",
                 *common,
+                *invites[name],
                 "--initial-peers",
                 address,
                 "--peer-name",

@@ -49,15 +49,16 @@ def peers(request, tmp_path):
     assert not sockets, f"socket files outlived the test: {sockets}"
 
 
-def _dht_nodes(started: float):
-    """A factory of DHT nodes on 127.0.0.1 that join the first; yields it, then shuts every node down."""
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+def _dht_nodes(started: float, cls: type = hivemind.DHT):
+    """A factory of DHT nodes (of class ``cls``) on 127.0.0.1 that join the first; yields it, then shuts every
+    node down."""
+    first = cls(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     nodes = [first]
 
     def more(n: int) -> list[hivemind.DHT]:
         while len(nodes) < n:
             nodes.append(
-                hivemind.DHT(
+                cls(
                     start=True,
                     host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                     initial_peers=[str(a) for a in first.get_visible_maddrs()],

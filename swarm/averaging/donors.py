@@ -30,9 +30,17 @@ each other are for the same other state.
 Before it counts, the check waits up to ``WAIT_FOR_SKETCHES`` seconds for the live peers that have not yet
 reached the epoch (a colluder publishes first).
 
+Who votes. In an invite-only swarm a vote is an invite's: a record counts only if a valid, unrevoked member
+record (swarm/net/fence.py) ties its PeerID to an invite and was signed by the same DHT key as the record, and
+records under one invite count once (the newest epoch's). An invited attacker can mint as many PeerIDs, keys
+and member records as it likes, but they all carry its one invite; nor can it vote in an honest peer's name.
+Peers that share one invite (a lab that hands one file to all its machines) therefore count as one peer: give
+each volunteer an invite of its own (``swarm-peer invite``; the demo does). In an open swarm a vote is a
+record's PeerID, which is its own claim.
+
 What it cannot catch: a change too small to tell from an honest peer's drift (under ``NEAR`` of the norm, for
-which the robust mean of the next rounds is the defence), and attackers with as many records as the honest
-peers that hold one state, under as many keys (a record's PeerID is its own claim): one honest peer and one
+which the robust mean of the next rounds is the defence), and attackers with as many votes as the honest
+peers that hold one state (invites in an invite-only swarm, records in an open one): one honest peer and one
 attacker tie, and the download is kept. A peer that refused every donor keeps its own state and asks again at
 its next step.
 """
@@ -47,10 +55,13 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from swarm.net import metrics
+from swarm.net.fence import members_by_key
 from swarm.patches.state_averager import sketch_distance
 
 if TYPE_CHECKING:
     import hivemind
+
+    from swarm.net.invite import Invite
 
 log = logging.getLogger(__name__)
 SKETCHES_KEPT = 8  # global epochs whose sketches a peer's record carries
@@ -64,12 +75,14 @@ NEAR = 0.1
 
 class DonorCheck:
     """The check of item 23 for one peer: ``dht`` and ``run_id`` to read the swarm's records, ``own`` this
-    peer's PeerID (base58)."""
+    peer's PeerID (base58), ``invite`` the invite it joined with (None in an open swarm: one vote per PeerID,
+    else one per invite)."""
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, own: str) -> None:
-        self.dht, self.run_id, self.own = dht, run_id, own
-        self.sketches: dict[int, dict[str, list[float]]] = {}  # epoch -> {peer: sketch}
-        self.newest: dict[str, int] = {}  # peer -> its epoch, in the records of the last read
+    def __init__(self, dht: hivemind.DHT, run_id: str, own: str, invite: Invite | None = None) -> None:
+        self.dht, self.run_id, self.own, self.invite = dht, run_id, own, invite
+        self.voters: dict[str, str] = {own: invite.certificate.name} if invite is not None else {}
+        self.sketches: dict[int, dict[str, list[float]]] = {}  # epoch -> {voter: sketch}
+        self.newest: dict[str, int] = {}  # voter -> its epoch, in the records of the last read
         self.checked = self.refused = self.unchecked = 0
         self._warned: set = set()
         self._lock = threading.Lock()
@@ -78,17 +91,25 @@ class DonorCheck:
         """Read the swarm's records once and keep their sketches (a failed read is skipped)."""
         try:
             records = metrics.fetch(self.dht, self.run_id, self._warned, timeout=WATCH_EVERY * 5)
+            members = None if self.invite is None else members_by_key(self.dht, self.invite, WATCH_EVERY * 5)
         except Exception as exc:
             log.debug("Could not read the swarm's records: %r", exc)
             return
-        newest = {}
+        newest: dict[str, int] = {}
         with self._lock:
-            for record in records.values():
+            # the newest epoch's record first: of the records under one invite, the newest one's sketches win
+            for subkey, record in sorted(records.items(), key=lambda item: item[1].global_epoch):
                 if not record.peer_id or not record.state_sketches:
                     continue
+                voter = record.peer_id
+                if members is not None:  # a member's own record (same PeerID, same signing key) or none
+                    member = members.get(subkey)
+                    if member is None or member.peer_id != record.peer_id:
+                        continue
+                    voter = self.voters[record.peer_id] = member.name
                 for item in record.state_sketches:
-                    self.sketches.setdefault(item.epoch, {})[record.peer_id] = list(item.sketch)
-                newest[record.peer_id] = record.global_epoch
+                    self.sketches.setdefault(item.epoch, {})[voter] = list(item.sketch)
+                newest[voter] = max(newest.get(voter, -1), record.global_epoch)
             self.newest = newest  # the peers whose records live now
             for epoch in sorted(self.sketches)[:-64]:  # a long run's old epochs
                 del self.sketches[epoch]
@@ -112,30 +133,32 @@ class DonorCheck:
             done.set()
             watcher.join()
 
-    def _seen(self, epoch: int, donor: str) -> tuple[dict[str, list[float]], dict[str, int]]:
+    def _seen(self, epoch: int, donor: str) -> tuple[dict[str, list[float]], dict[str, int], str]:
         """The sketches published for ``epoch`` (this peer's left out, the donor's kept), and the other peers'
-        newest epochs (this peer and the donor left out)."""
+        newest epochs (this peer and the donor left out), by voter; and the donor's voter."""
+        own = self.voters.get(self.own, self.own)
         with self._lock:
-            votes = {p: s for p, s in self.sketches.get(epoch, {}).items() if p != self.own}
-            newest = {p: e for p, e in self.newest.items() if p not in (donor, self.own)}
-        return votes, newest
+            donor = self.voters.get(donor, donor)
+            votes = {p: s for p, s in self.sketches.get(epoch, {}).items() if p != own}
+            newest = {p: e for p, e in self.newest.items() if p not in (donor, own)}
+        return votes, newest, donor
 
     def judge(self, epoch: int, sketch: list[float], donor: str) -> str | None:
-        """None if the state of global ``epoch`` downloaded from ``donor`` (its sketch) may be kept, else why
-        not (one line)."""
+        """None if the state of global ``epoch`` downloaded from ``donor`` (its PeerID), whose sketch is
+        ``sketch``, may be kept; else why not (one line)."""
         # the other live peers that have not reached the epoch yet are waited for (an attacker's colluder
         # publishes first), at most WAIT_FOR_SKETCHES seconds: one that is behind, or left, may never publish
         # it. One past the epoch has published it already, or jumped over it by a download of its own
         deadline = time.monotonic() + WAIT_FOR_SKETCHES
         while True:
-            votes, newest = self._seen(epoch, donor)
+            votes, newest, voter = self._seen(epoch, donor)
             behind = {p for p, e in newest.items() if e < epoch and p not in votes}
             # the donor's own record of the epoch too: it served the state before it published it
-            if (not behind and (donor in votes or not newest)) or time.monotonic() >= deadline:
+            if (not behind and (voter in votes or not newest)) or time.monotonic() >= deadline:
                 break
             time.sleep(0.5)
             self.read()
-        if not set(votes) - {donor}:
+        if not set(votes) - {voter}:
             top = max(newest.values(), default=None)
             if top is not None and top < epoch:
                 self.refused += 1

@@ -193,7 +193,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.screen = RoundScreen(reject_factor)  # judges every averaged result (swarm/averaging/screen.py)
         # checks every downloaded state against the swarm's (swarm/averaging/donors.py); refused downloads
         own = node.dht.peer_id.to_base58()
-        self.donor_check = DonorCheck(node.dht, run_id, own) if check_downloads else None
+        self.donor_check = DonorCheck(node.dht, run_id, own, node.invite) if check_downloads else None
         self.refused_downloads = 0
         self._nonfinite_in_row = 0  # local steps in a row with non-finite gradients
         self.clock: RoundClock | None = None

@@ -19,6 +19,7 @@ import base64
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from swarm.net.invite import Certificate, Invite, InviteError, refusal, revoked_names
@@ -35,6 +36,49 @@ class NotInvited(Refused):
 
 def member_bytes(run_id: str, peer_id: str) -> bytes:
     return f"swarm-trainer member|{run_id}|{peer_id}".encode()
+
+
+@dataclass(frozen=True)
+class Member:
+    """A member record that checks out: the PeerID it ties to an invite, the invite's name and expiry."""
+
+    peer_id: str
+    name: str
+    expires: float
+
+
+def verified_member(value: Any, owner_key: bytes, run_id: str) -> Member | None:
+    """The member that a member record (a DHT value of :func:`members_key`) proves, or None: malformed, an
+    invite of another owner or run, expired, or a signature that is not the invite's over the PeerID."""
+    try:
+        record = MemberRecord.parse_obj(value)
+        cert = Certificate.from_text(record.certificate)
+        signature = base64.b64decode(record.signature, validate=True)
+    except Exception:  # a malformed record proves nothing
+        return None
+    if cert.problem(owner_key, run_id) is not None:
+        return None
+    if not cert.verify_by_holder(member_bytes(run_id, record.peer_id), signature):
+        return None
+    return Member(record.peer_id, cert.name, cert.expires)
+
+
+def members_by_key(dht: Any, invite: Invite, timeout: float = 5.0) -> dict[bytes, Member]:
+    """The members of ``invite``'s run by the DHT key that signed their member record (the key that signs
+    their other records too), revoked invites left out. Raises on a failed read."""
+    futures = [
+        dht.get(key, latest=True, return_future=True)
+        for key in (members_key(invite.run_id), revoked_key(invite.run_id))
+    ]
+    found, revoked = (future.result(timeout) for future in futures)
+    gone = revoked_names(revocation_records(revoked), invite.owner_key, invite.run_id)
+    out = {}
+    if found is not None and isinstance(found.value, dict):
+        for subkey, entry in found.value.items():
+            member = verified_member(entry.value, invite.owner_key, invite.run_id)
+            if member is not None and member.name not in gone:
+                out[subkey] = member
+    return out
 
 
 class Fence:
@@ -62,19 +106,9 @@ class Fence:
     def learn(self, entries: dict) -> None:
         """Admit the PeerIDs whose member records (DHT entries of :func:`members_key`) check out."""
         for entry in entries.values():
-            try:
-                record = MemberRecord.parse_obj(entry.value)
-                cert = Certificate.from_text(record.certificate)
-            except Exception:  # a malformed record admits no one
-                continue
-            if cert.problem(self.owner_key, self.run_id) is not None:
-                continue
-            try:
-                signature = base64.b64decode(record.signature, validate=True)
-            except ValueError:
-                continue
-            if cert.verify_by_holder(member_bytes(self.run_id, record.peer_id), signature):
-                self.members[record.peer_id] = (cert.expires, cert.name)
+            member = verified_member(entry.value, self.owner_key, self.run_id)
+            if member is not None:
+                self.members[member.peer_id] = (member.expires, member.name)
 
     async def refresh(self, dht: Any) -> None:
         if self._lock is None:

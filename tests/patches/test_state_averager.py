@@ -883,3 +883,61 @@ def test_a_download_check_waits_for_the_honest_peers_records_that_come_after_a_c
     assert waited >= 1.5, waited
     assert reason is not None and "the state that 3 of the 5 peers published" in reason, reason
     assert check.judge(5, state_averager.state_sketch(honest), donor="h1") is None
+
+
+def test_in_an_invite_only_swarm_a_download_check_counts_one_vote_per_invite(request, tmp_path):
+    """Item 23, who votes. An invited attacker publishes, under 4 DHT keys and 4 PeerIDs of its own, 4 records
+    that vouch for its state of epoch 5, each with a valid member record of its one invite, plus a record in
+    an honest peer's name (under its own key) and one with no member record at all; 2 honest peers, each with
+    its own invite, hold the honest state. Counting one vote per PeerID, as in an open swarm, the attacker's 4
+    outvote the 2 honest peers and its state is kept. Counting one per invite (the check of an invite-only
+    swarm), it has one vote against 2 and its state is refused, and the honest one is accepted."""
+    import base64
+
+    from swarm.averaging import donors
+    from swarm.net import metrics
+    from swarm.net.fence import member_bytes
+    from swarm.net.invite import load_or_create_owner_key, make_invite
+
+    (node,) = request.getfixturevalue("dhts")(1)
+    run = "pytest-donor-sybil"
+    owner, _ = load_or_create_owner_key(tmp_path / "owner.pem")
+    invites = {name: make_invite(owner, run, name, 3600.0) for name in ("newcomer", "h1", "h2", "mallory")}
+    honest = [torch.ones(3, 4), torch.arange(5.0)]
+    bad = [torch.randn(3, 4) * 3, torch.randn(5) * 8]
+
+    def member(invite_name: str, peer_id: str, key: bytes) -> None:
+        invite = invites[invite_name]
+        record = metrics.MemberRecord(
+            peer_id=peer_id,
+            certificate=invite.certificate.to_text(),
+            signature=base64.b64encode(invite.sign(member_bytes(run, peer_id))).decode(),
+        )
+        stored = node.store(
+            metrics.members_key(run), subkey=key, value=record.dict(), expiration_time=time.time() + 120
+        )
+        assert stored
+
+    def vote(peer_id: str, key: bytes, tensors: list[torch.Tensor]) -> None:
+        _publish_sketch(node, run, key.decode(), peer_id, 5, tensors)  # signed under ``key``
+
+    for name in ("h1", "h2"):
+        member(name, f"peer-{name}", name.encode())
+        vote(f"peer-{name}", name.encode(), honest)
+    for i in range(4):
+        member("mallory", f"mallory-{i}", f"mallory-{i}".encode())
+        vote(f"mallory-{i}", f"mallory-{i}".encode(), bad)
+    vote("peer-h1", b"mallory-forges-h1", bad)  # in an honest peer's name, under the attacker's key
+    vote("outsider", b"outsider", bad)  # no member record
+
+    by_peer_id = donors.DonorCheck(node, run, own="peer-newcomer")
+    by_peer_id.read()
+    assert by_peer_id.judge(5, state_averager.state_sketch(bad), donor="mallory-0") is None
+
+    by_invite = donors.DonorCheck(node, run, own="peer-newcomer", invite=invites["newcomer"])
+    by_invite.read()
+    reason = by_invite.judge(5, state_averager.state_sketch(bad), donor="mallory-0")
+    assert reason is not None and "the state that 2 of the 3 peers published" in reason, reason
+    assert "1 hold the downloaded one" in reason, reason
+    assert by_invite.judge(5, state_averager.state_sketch(honest), donor="peer-h1") is None
+    assert by_invite.checked == 1 and by_invite.refused == 1

@@ -3,6 +3,7 @@ states of mixed sizes, screened gradient rounds."""
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from functools import partial
 from types import SimpleNamespace
@@ -22,6 +23,21 @@ from swarm.patches import optimizer as wiring
 MATCHMAKING = 30.0  # far longer than any test waits: a round that finishes sooner closed its group early
 # every scenario runs twice: on hivemind as it is, and with the change
 PLAIN_OR_PATCHED = pytest.mark.parametrize("patched", [False, True], ids=["plain hivemind", "patched"])
+
+
+def round_results(controls: list, size: int, timeout: float = MATCHMAKING - 5) -> list:
+    """The results of one round's step controls, each of a group of ``size``. A round that has not ended
+    within ``timeout`` fails with each control's stage and the group sizes found so far, not a bare
+    TimeoutError (a round of two that hung once in a fresh-clone suite left nothing to go on)."""
+    deadline = time.monotonic() + timeout
+    while not all(c.done() for c in controls) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not all(c.done() for c in controls):
+        stages = [getattr(c.stage, "name", c.stage) for c in controls]
+        raise AssertionError(f"the round did not end within {timeout:.0f} s; the peers' stages: {stages}")
+    results = [c.result() for c in controls]
+    assert all(len(r) == size for r in results), [len(r) for r in results]
+    return results
 
 
 # the process-wide changes but the robust reducer (test_robust.py): for tests that check a plain mean of
@@ -156,7 +172,7 @@ def _screened_round(pair, a_grads: tuple[float, int], b_grads: tuple[float, int]
     theirs = _gradients(net_b, b_grads[0], seed=b_seed)
     b.accumulate_grads_(batch_size=b_grads[1])
     controls = [x.step(wait=False, timeout=MATCHMAKING + 10) for x in (a, b)]
-    assert all(len(c.result(timeout=MATCHMAKING - 5)) == 2 for c in controls)
+    round_results(controls, 2)
     if hasattr(opt, "_average_gradients_and_load_into_optimizer"):
         opt._average_gradients_and_load_into_optimizer(controls[0])
     else:  # hivemind's own loading alone

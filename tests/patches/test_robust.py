@@ -9,7 +9,7 @@ import torch
 
 from swarm import patches, suspects
 from swarm.patches import matchmaking, robust
-from tests.patches.common import MATCHMAKING, PLAIN_OR_PATCHED, _vector_averagers, hivemind_as
+from tests.patches.common import MATCHMAKING, PLAIN_OR_PATCHED, _vector_averagers, hivemind_as, round_results
 
 NODES = 3
 SIZE = 60_000  # numbers per peer: split into the three peers' slices, each reduced by one of them
@@ -28,7 +28,7 @@ def _round(
     try:
         pairs = zip(group, weights, strict=True)
         controls = [a.step(weight=w, wait=False, timeout=MATCHMAKING + 10) for a, w in pairs]
-        assert all(len(c.result(timeout=MATCHMAKING - 5)) == 3 for c in controls)
+        round_results(controls, 3)
         held = []
         for averager in group:
             with averager.get_tensors() as got:
@@ -112,7 +112,7 @@ def test_a_peer_clipped_round_after_round_is_banned_and_left_out_of_the_next_gro
                     with averager.get_tensors() as held:
                         held[0].copy_(vector)
                 controls = [x.step(weight=64.0, wait=False, timeout=MATCHMAKING + 10) for x in group]
-                assert all(len(c.result(timeout=MATCHMAKING - 5)) == 3 for c in controls)
+                round_results(controls, 3)
                 rounds += 1
             assert rounds == 1
             (found,) = table.suspects()  # the honest peers: never clipped

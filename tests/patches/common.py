@@ -3,7 +3,6 @@ states of mixed sizes, screened gradient rounds."""
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from functools import partial
 from types import SimpleNamespace
@@ -19,6 +18,7 @@ from swarm import patches
 from swarm.averaging.screen import RoundScreen
 from swarm.patches import allreduce, grad_averager, matchmaking, progress, state_averager
 from swarm.patches import optimizer as wiring
+from swarm.waiting import wait_until
 
 MATCHMAKING = 30.0  # far longer than any test waits: a round that finishes sooner closed its group early
 # every scenario runs twice: on hivemind as it is, and with the change
@@ -27,14 +27,11 @@ PLAIN_OR_PATCHED = pytest.mark.parametrize("patched", [False, True], ids=["plain
 
 def round_results(controls: list, size: int, timeout: float = MATCHMAKING - 5) -> list:
     """The results of one round's step controls, each of a group of ``size``. A round that has not ended
-    within ``timeout`` fails with each control's stage and the group sizes found so far, not a bare
-    TimeoutError (a round of two that hung once in a fresh-clone suite left nothing to go on)."""
-    deadline = time.monotonic() + timeout
-    while not all(c.done() for c in controls) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if not all(c.done() for c in controls):
-        stages = [getattr(c.stage, "name", c.stage) for c in controls]
-        raise AssertionError(f"the round did not end within {timeout:.0f} s; the peers' stages: {stages}")
+    within ``timeout`` fails with each control's stage, not a bare TimeoutError (a round of two that hung
+    once in a fresh-clone suite left nothing to go on)."""
+    ended = wait_until(lambda: all(c.done() for c in controls), timeout=timeout, interval=0.05)
+    stages = [getattr(c.stage, "name", c.stage) for c in controls]
+    assert ended, f"the round did not end within {timeout:.0f} s; the peers' stages: {stages}"
     results = [c.result() for c in controls]
     assert all(len(r) == size for r in results), [len(r) for r in results]
     return results

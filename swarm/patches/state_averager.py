@@ -461,8 +461,15 @@ class _SettledState:
                 await asyncio.wait_for(self._state_updated.wait(), timeout=left)
             except TimeoutError:
                 pass
-            if self.allow_state_sharing == sharing_was_allowed:  # sharing switched on or off goes at once
-                await asyncio.sleep(max(0.0, stored + DECLARE_EVERY - time.monotonic()))
+            # a changed priority waits until DECLARE_EVERY after the last store; sharing switched on or off
+            # goes at once, also when it comes during that wait (a plain sleep held it up to DECLARE_EVERY)
+            resume = stored + DECLARE_EVERY
+            while self.allow_state_sharing == sharing_was_allowed and time.monotonic() < resume:
+                self._state_updated.clear()
+                try:
+                    await asyncio.wait_for(self._state_updated.wait(), timeout=resume - time.monotonic())
+                except TimeoutError:
+                    pass
 
 
 @cache

@@ -272,6 +272,12 @@ def averaging_options(func: Callable) -> Callable:
                 help="DiLoCo: an outer round every this many seconds of the swarm's compute, whatever each "
                 "peer's speed and however many peers (instead of --local-steps) [0: off].",
             ),
+            click.option(
+                "--overlap-rounds/--no-overlap-rounds",
+                default=None,
+                help="DiLoCo: keep taking inner steps while the outer round runs in the background, and "
+                "apply its result one round late [off].",
+            ),
             click.option("--outer-lr", type=float, default=None, help="DiLoCo: outer Nesterov SGD lr [0.7]."),
             click.option("--outer-momentum", type=float, default=None, help="DiLoCo: outer momentum [0.9]."),
         ]

@@ -188,7 +188,10 @@ class SwarmReporter(L.Callback):
 
     def _on_new_epoch(self, module: L.LightningModule) -> None:
         epoch, self.epoch = self.strategy.local_epoch, self.strategy.local_epoch
-        self.checksums[epoch] = param_checksum(module)
+        # DiLoCo: the anchor every peer of the round holds (the parameters themselves, unless the round
+        # ran in the background: then they also hold this peer's inner steps taken meanwhile)
+        d = self.strategy.diloco
+        self.checksums[epoch] = param_checksum(d.anchors if d is not None else module)
         self._note_sketch(epoch)
         sps = self.window_samples / max(time.time() - self.window_start, 1e-6)
         loss = sum(self.losses) / len(self.losses) if self.losses else float("nan")
@@ -377,6 +380,9 @@ class SwarmReporter(L.Callback):
             "outer_steps": d.outer_steps,
             "seconds_waiting_for_the_swarm": round(d.waited, 2),
             "outer_rounds_begun_on_formed_group": d.rounds_on_formed_group,
+            "overlap_rounds": d.overlap,
+            # overlap: the outer rounds' time in the background, while this peer took inner steps
+            "seconds_of_rounds_in_background": round(d.flight_seconds, 2),
             "diloco_loaded": d.loaded,
         }
 

@@ -201,6 +201,10 @@ class SwarmConfig:
     swarm has computed what it computes in that time (its target batch follows the summed speed of its
     peers), so that slow and fast peers reach each outer round together, each contributing what it computed,
     however many peers there are."""
+    overlap_rounds: bool = False
+    """DiLoCo: run each outer round (matchmaking, the all-reduce, the outer step) in the background while
+    this peer goes on with inner steps, and apply its result one round late, keeping the steps taken
+    meanwhile. A per-peer choice: peers with and without it train together."""
     outer_lr: float = 0.7
     """DiLoCo: learning rate of the outer Nesterov SGD (the paper's 0.7)."""
     outer_momentum: float = 0.9
@@ -266,6 +270,12 @@ class SwarmConfig:
             "round_seconds",
             self.round_seconds,
             "0 unless averaging is 'diloco' (gradient rounds follow target_batch_size)",
+        )
+        _check(
+            not self.overlap_rounds or self.averaging == "diloco",
+            "overlap_rounds",
+            self.overlap_rounds,
+            "false unless averaging is 'diloco' (gradient rounds are waited for)",
         )
         _check(self.outer_lr > 0, "outer_lr", self.outer_lr, "a number > 0")
         _check(0 <= self.outer_momentum < 1, "outer_momentum", self.outer_momentum, "a number in [0, 1)")

@@ -255,3 +255,36 @@ def test_diloco_peers_end_each_outer_step_equal_and_a_newcomer_loads_inner_and_o
         anchors,
         late.output()[-4000:],
     )
+
+
+def test_diloco_peers_that_overlap_rounds_train_through_them_and_share_each_anchor(peers, tmp_path):
+    """--overlap-rounds: two DiLoCo peers hand each outer round to the background and go on with inner
+    steps. They still take the same averaged outer step on the same anchor (equal anchors at a common
+    epoch), each round's time in the background is recorded and is more than the trainer waited for the
+    rounds (landing a round moves the parameters, nothing more), and the loss falls."""
+    run = "pytest-diloco-overlap"
+    entry = PeerProcess(
+        "entry",
+        ["bootstrap", "--config", "demo", "--run-id", run, "--log-dir", str(tmp_path)],
+        peers,
+    )
+    address = entry.join_address(timeout=120)
+    common = ("--max-epochs", "6", "--initial-peers", address, "--overlap-rounds", "--min-peers", "2")
+    pair = [_diloco_peer(peers, name, run, tmp_path, *common, seed=i) for i, name in enumerate(("a", "b"))]
+    for p in pair:
+        assert p.wait(timeout=240) == 0, f"{p.name}:\n{p.output()[-4000:]}"
+    a, b = (read_summary(tmp_path, run, n) for n in ("a", "b"))
+    out = {p.name: p.output()[-2500:] for p in pair}
+    assert a["overlap_rounds"] and b["overlap_rounds"], out
+    common_epochs = [e for e in a["checksums"] if e in b["checksums"] and int(e) > 0]
+    equal = [e for e in common_epochs if a["checksums"][e] == pytest.approx(b["checksums"][e], rel=1e-6)]
+    assert len(equal) >= 2, (common_epochs, a["checksums"], b["checksums"], out)
+    for s in (a, b):
+        averaged = [r for r in s["rounds"] if r["outcome"] == "averaged" and r["group"] == 2]
+        assert len(averaged) >= 2, (s["rounds"], out)
+        background = s["seconds_of_rounds_in_background"]
+        waited = sum(r["end"] for r in s["rounds"])
+        assert background == pytest.approx(sum(r["flight"] for r in s["rounds"]), abs=0.05), s["rounds"]
+        assert waited < background, (waited, background, s["rounds"])
+        assert s["last_loss"] < s["first_loss"], (s["first_loss"], s["last_loss"])
+        assert not s["rejected_gradient_rounds"], out

@@ -36,6 +36,16 @@ def test_round_seconds_needs_diloco():
     assert paced.swarm.round_seconds == 10
 
 
+def test_overlap_rounds_needs_diloco_and_comes_from_flag_or_environment():
+    with pytest.raises(ConfigError, match="overlap_rounds"):
+        build_config("demo", {"overlap_rounds": True}, environ={})
+    flagged = build_config("demo", {"overlap_rounds": True, "averaging": "diloco"}, environ={})
+    assert flagged.swarm.overlap_rounds
+    from_env = build_config("demo", {"averaging": "diloco"}, environ={"SWARM_OVERLAP_ROUNDS": "true"})
+    assert from_env.swarm.overlap_rounds
+    assert not build_config("demo", {"averaging": "diloco"}, environ={}).swarm.overlap_rounds
+
+
 @pytest.mark.parametrize(
     "text, message",
     [

@@ -225,6 +225,66 @@ def test_a_diloco_peer_checks_its_inner_state_before_the_outer_step_and_sends_no
     assert all(torch.isfinite(t).all() for t in strategy.diloco.extra_tensors)
 
 
+class WatchLandings(L.Callback):
+    """Wraps DiLoCo's landing of a round that ran in the background and keeps, for each landing that
+    advanced the epoch: the largest distance of the parameters from (new anchor + the steps taken during the
+    round), the number of those steps, and how far they moved the parameters."""
+
+    def __init__(self) -> None:
+        self.landings: list[tuple[float, int, float]] = []
+
+    def on_train_start(self, trainer, module) -> None:
+        d = trainer.strategy.diloco
+        land = d._land
+
+        def watched() -> bool:
+            before = [p.detach().clone() for p in d.params]  # before the landing moves them
+            ends = [t.clone() for t in d._phase_end]
+            meanwhile = d.steps
+            advanced = land()
+            if advanced:
+                off = max(
+                    float((p.detach() - (a.detach() + (b - e))).abs().max())
+                    for p, a, b, e in zip(d.params, d.anchors, before, ends, strict=True)
+                )
+                moved = max(float((b - e).abs().max()) for b, e in zip(before, ends, strict=True))
+                self.landings.append((off, meanwhile, moved))
+            return advanced
+
+        d._land = watched
+
+
+def test_a_diloco_peer_that_overlaps_rounds_keeps_the_steps_it_took_during_each_round():
+    """overlap_rounds, alone, 4 inner steps per outer step: each outer round runs in the background while
+    the peer takes inner steps, and lands at a later step with the parameters = the new anchor + exactly the
+    steps taken meanwhile (at least one, which moved them). The epoch the strategy reports is that of the
+    parameters, so it moves when a round lands; every round has its time in the background recorded, and the
+    trainer waited for none."""
+    watch = WatchLandings()
+    _, strategy, _, module, _ = _fit(
+        SwarmClassifier,
+        steps=16,
+        averaging="diloco",
+        local_steps=4,
+        overlap_rounds=True,
+        callbacks=(watch,),
+        target_batch_size=128,
+    )
+    d = strategy.diloco
+    assert d.outer_steps >= 2 and strategy.local_epoch == d.outer_steps, (d.outer_steps, strategy.local_epoch)
+    assert len(watch.landings) == d.outer_steps, watch.landings
+    # a round still in flight when training stops lands at shutdown, with no steps taken meanwhile
+    during = watch.landings[:-1] if watch.landings[-1][1] == 0 else watch.landings
+    assert len(during) >= 2, watch.landings
+    for off, meanwhile, moved in during:
+        assert off < 1e-6 and meanwhile >= 1 and moved > 0, watch.landings
+    assert watch.landings[-1][0] < 1e-6, watch.landings
+    rounds = strategy.clock.rounds
+    assert len(rounds) == d.outer_steps and all(r["flight"] > 0 for r in rounds), rounds
+    assert d.flight_seconds == pytest.approx(sum(r["flight"] for r in rounds), abs=1e-3 * len(rounds))
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
 class SleepEachStep(L.Callback):
     """Makes every local step last at least ``seconds`` longer (a slow volunteer)."""
 

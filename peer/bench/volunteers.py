@@ -17,7 +17,8 @@ training windows, averaging waits included, over the sum of the lone peers' rate
 (from the swarm's first step to the first validation at or above ``TARGET_ACC`` on any peer) against the
 fastest lone peer's ``lone_time_to_target_s`` (from its first step), their ratio ``speedup`` and the goal
 ``speedup_goal`` (0.8 x the sum of the quotas over the fastest), ``bytes_per_sample`` (bytes sent in averaging
-rounds per sample computed), ``stalled_rounds`` (round ends over 5 s, all peers), ``helper_cpu_share``
+rounds per sample computed), ``stalled_rounds`` (round ends over 5 s, all peers: what a trainer waited;
+with ``--overlap-rounds`` the rounds' own lengths are ``background_rounds_over_5s``), ``helper_cpu_share``
 (the largest share of a peer's CPU seconds that its helpers used) and the RTT the lab measured between the
 two peers furthest apart. The arithmetic behind the default link is in docs/benchmarks.md ("Volunteers").
 """
@@ -62,7 +63,7 @@ def modes(peers: int) -> dict[str, tuple[list[str], dict[str, str] | None]]:
     diloco = peers * DILOCO_H * BATCH
     rounds = max(2, SAMPLES // diloco)
     timed = TIMED_ROUNDS
-    return {
+    found = {
         "grad+int8": (
             ["--compression", "int8", "--target-batch-size", str(grad), "--average-state-every", "10",
              "--max-epochs", str(SAMPLES // grad), "--eval-every", str(max(1, 2048 // grad))],
@@ -82,12 +83,15 @@ def modes(peers: int) -> dict[str, tuple[list[str], dict[str, str] | None]]:
              "SWARM_REPORT_EVERY": str(INTERNET_REPORT_EVERY)},
         ),
     }  # fmt: skip
+    found["internet+overlap"] = (found["internet"][0] + ["--overlap-rounds"], found["internet"][1])
+    return found
 
 
 MODE_NAMES = {
     "grad+int8": "gradients, int8",
     "diloco+int8": f"DiLoCo H={DILOCO_H}, int8",
     "internet": f"internet: DiLoCo {ROUND_SECONDS:g} s rounds, int8",
+    "internet+overlap": f"internet, rounds in the background: DiLoCo {ROUND_SECONDS:g} s rounds, int8",
 }
 
 
@@ -243,6 +247,7 @@ def _row(
     samples = sum(h["samples"] for s in sums for h in s["history"])
     shares = [c["helpers"] / max(c["self"] + c["helpers"], 1e-9) for s in sums if (c := s.get("cpu_seconds"))]
     ends = [r["end"] for s in sums for r in s.get("rounds", [])]
+    flights = [r.get("flight", 0.0) for s in sums for r in s.get("rounds", [])]
     accs = [s["final_val"]["acc"] for s in sums if s.get("final_val")]
     swarm_time = min(reached) if reached else None
     goal = 0.8 * sum(quotas) / max(quotas)
@@ -269,6 +274,9 @@ def _row(
         "stalled_rounds": sum(e > STALL_S for e in ends),
         "rounds": len(ends),
         "median_round_end_s": round(sorted(ends)[len(ends) // 2], 3) if ends else None,
+        # rounds that ran in the background (--overlap-rounds): their length, though nobody waited for it
+        "background_rounds_over_5s": sum(f > STALL_S for f in flights),
+        "median_background_round_s": round(sorted(flights)[len(flights) // 2], 3) if any(flights) else None,
         "helper_cpu_share": round(max(shares), 3) if shares else None,
         "helper_cpu_share_mean": round(sum(shares) / len(shares), 3) if shares else None,
         "waited_s": [round(s.get("seconds_waiting_for_the_swarm", 0.0), 1) for s in sums],

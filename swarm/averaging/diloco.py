@@ -25,11 +25,22 @@ follows the swarm's summed speed (swarm/patches/progress.py ``pace_by_time``), a
 steps until the swarm is ready, so volunteers of unequal speed reach the round together, none idle, and each
 pseudo-gradient counts in proportion to the samples behind it (hivemind weighs each peer by the samples it
 reports). ``local_steps`` then plays no part.
+
+With ``overlap`` (``--overlap-rounds``) a peer does not wait for its outer round: it hands the round (the
+wait for the swarm, matchmaking, the all-reduce and the outer step) to a background thread and goes on with
+inner steps from where it is. When the round lands, the new anchor replaces the old one under the steps
+taken meanwhile: parameters = new anchor + (parameters now - parameters at the end of the phase), so nothing
+computed during the round is lost, and the next pseudo-gradient (new anchor - parameters) covers those steps.
+The outer update thus reaches the parameters one round late, as in Streaming DiLoCo (Douillard et al. 2025)
+and eager DiLoCo (Kale et al. 2025). Samples computed during the round count toward the next one. A
+volunteer behind a slow, distant link then computes through matchmaking and the all-reduce instead of
+waiting them out.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -135,6 +146,7 @@ class DiLoCo:
         outer_momentum: float,
         should_stop=lambda: False,
         before_outer_step=lambda: False,
+        overlap: bool = False,
     ) -> None:
         self.inner, self.local_steps = inner, local_steps
         # > 0: the inner phase ends when the swarm is ready (its target paced to this many seconds of its
@@ -155,6 +167,18 @@ class DiLoCo:
         self.waited = 0.0  # seconds spent waiting for the swarm, in total
         self.rounds_on_formed_group = 0  # outer rounds begun on a formed group, before the tracker was ready
         self.loaded: dict[str, float] | None = None  # state_norms() right after the first download
+        # the steps behind the pseudo-gradient of the round in progress (or the last one)
+        self.sent_steps = 0
+        # overlap: the outer round runs in a background thread while the inner steps go on
+        self.overlap = overlap
+        self._flight: threading.Thread | None = None
+        self._flight_epoch = 0  # the global epoch the round in flight started from
+        self._flight_began = 0.0
+        self._flight_error: BaseException | None = None
+        self._phase_end: list[torch.Tensor] = []  # the parameters whose pseudo-gradient is in flight
+        self.last_flight = 0.0  # seconds the last round that landed ran in the background
+        self.flight_seconds = 0.0  # in total
+        self._sent = (0, 0)  # (steps, samples) behind the pseudo-gradient in flight
 
     def attach(self, opt: hivemind.Optimizer) -> None:
         self.opt = opt
@@ -196,7 +220,8 @@ class DiLoCo:
         this peer takes in a whole round: those of its last whole phase, or what its speed gives in
         ``round_seconds``, whichever is more."""
         expected = self.local_steps if self.round_seconds <= 0 else self._steps_per_round()
-        return expected / self.steps if 0 < self.steps < expected else 1.0
+        sent = self.sent_steps
+        return expected / sent if 0 < sent < expected else 1.0
 
     def _steps_per_round(self) -> int:
         speed = float(self.opt.tracker.performance_ema.samples_per_second)
@@ -204,27 +229,51 @@ class DiLoCo:
         by_speed = int(self.round_seconds * speed / step) if speed > 1e-6 else 0
         return max(self.full_phase_steps, by_speed, 1)
 
+    @property
+    def epoch(self) -> int:
+        """The global epoch of the parameters this peer trains: with a round in flight, the epoch it started
+        from (the optimizer's own counter moves when the round ends in the background; the parameters follow
+        only when it lands)."""
+        return self._flight_epoch if self._flight is not None else self.opt.local_epoch
+
     def after_inner_step(self, batch_size: int) -> bool:
         """Count one inner step; run the outer step when due. True if the global epoch advanced."""
         opt = self.opt
         self.steps += 1
         self.samples += batch_size
+        if self._flight is not None:  # overlap: a round is in flight; land it if it has ended
+            return False if self._flight.is_alive() else self._land()
         opt.tracker.report_local_progress(opt.local_epoch, self.samples)
         ready = opt.tracker.ready_to_update_epoch
         if not ready and (self.round_seconds > 0 or self.steps < self.local_steps):
             return False
-        return self.outer_step()
+        return self._launch() if self.overlap else self.outer_step()
 
     def outer_step(self) -> bool:
-        opt = self.opt
-        epoch = opt.local_epoch
+        """The outer round, waited for: the inner phase goes on from the new anchor."""
+        epoch = self.opt.local_epoch
+        self._offer()
+        if not self._outer_round(epoch, self.samples):  # leaving: keep the inner progress, nothing averaged
+            return False
+        self._count_round()
+        self.anchors_to_params()
+        return True
+
+    def _offer(self) -> None:
+        """End the inner phase: its pseudo-gradient becomes the anchors' gradient."""
         self.before_outer_step()
         with torch.no_grad():
             for p, a in zip(self.params, self.anchors, strict=True):
                 a.grad = a.detach() - p.detach().to(a.device, a.dtype)  # the pseudo-gradient
+        self.sent_steps = self.steps
+
+    def _outer_round(self, epoch: int, samples: int) -> bool:
+        """Offer the pseudo-gradient, wait for the swarm, average and step the outer optimizer; True if the
+        global epoch advanced (False: this peer is leaving)."""
+        opt = self.opt
         # hivemind accumulates the pseudo-gradient (weighted by this peer's samples), reports progress, and,
         # once the swarm is ready, averages and steps the outer optimizer
-        opt.step(batch_size=max(self.samples, 1))
+        opt.step(batch_size=max(samples, 1))
         started = time.perf_counter()
         while opt.local_epoch == epoch and not self.should_stop():
             ready = opt.tracker.ready_to_update_epoch
@@ -237,10 +286,66 @@ class DiLoCo:
         self.waited += time.perf_counter() - started
         for a in self.anchors:
             a.grad = None
-        if opt.local_epoch == epoch:  # leaving: keep the inner progress, nothing was averaged
-            return False
+        return opt.local_epoch != epoch
+
+    def _count_round(self) -> None:
         self.outer_steps += 1
         if self.outer_steps > 1:  # the first phase of a peer may have begun in the middle of a round
-            self.full_phase_steps = self.steps
-        self.anchors_to_params()
+            self.full_phase_steps = self.sent_steps
+
+    # ---- overlap: the outer round in the background -------------------------------------------------
+    def _launch(self) -> bool:
+        """Hand the outer round to a background thread; the inner steps go on from the current parameters."""
+        epoch, samples = self.opt.local_epoch, self.samples
+        self._offer()
+        with torch.no_grad():
+            self._phase_end = [p.detach().clone() for p in self.params]
+        self._sent = (self.steps, self.samples)
+        self.steps = self.samples = 0
+        self._flight_epoch, self._flight_error = epoch, None
+        self._flight_began = time.perf_counter()
+        self._flight = threading.Thread(
+            target=self._fly, args=(epoch, samples), name="diloco-outer-round", daemon=True
+        )
+        self._flight.start()
+        return False
+
+    def _fly(self, epoch: int, samples: int) -> None:
+        try:
+            self._outer_round(epoch, samples)
+        except BaseException as exc:  # raised again in the training thread when the round lands
+            self._flight_error = exc
+
+    @torch.no_grad()
+    def _land(self) -> bool:
+        """The round in flight has ended: move the parameters onto the new anchor, keeping the inner steps
+        taken meanwhile; True if the global epoch advanced."""
+        assert self._flight is not None
+        self._flight.join()
+        self._flight = None
+        self.last_flight = time.perf_counter() - self._flight_began
+        self.flight_seconds += self.last_flight
+        phase_end, self._phase_end = self._phase_end, []
+        if self._flight_error is not None:
+            error, self._flight_error = self._flight_error, None
+            raise error
+        opt = self.opt
+        if opt.local_epoch == self._flight_epoch:  # leaving: nothing was averaged; the samples stay unsent
+            self.steps, self.samples = self.steps + self._sent[0], self.samples + self._sent[1]
+            return False
+        for p, a, end in zip(self.params, self.anchors, phase_end, strict=True):
+            p.add_(a.to(p.device, p.dtype) - end)  # new anchor + the steps since the phase ended
+        self._count_round()
+        # the samples computed during the round count toward the next one, over the time they took: hivemind
+        # paused its speed estimate for the round (progress_tracker.py pause_updates), as if idle
+        opt.tracker.performance_ema.timestamp = self._flight_began
+        opt.tracker.report_local_progress(opt.local_epoch, self.samples)
         return True
+
+    def settle(self, timeout: float | None = None) -> None:
+        """Wait up to ``timeout`` for the round in flight, and land it (before a download or a shutdown)."""
+        if self._flight is None:
+            return
+        self._flight.join(timeout)
+        if not self._flight.is_alive():
+            self._land()

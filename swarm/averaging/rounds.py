@@ -17,6 +17,10 @@ other peer). ``strangers`` counts the groupmates that never learnt of this peer'
 results this peer's screen refused in the round (``gradient``, ``state``; see swarm/averaging/screen.py): a
 rejected gradient round also steps on this peer's own gradient. ``agreed`` is true when the epoch's state
 round was skipped because the whole group already held one state (docs/hivemind-patches.md item 16).
+
+A DiLoCo round that ran in the background (``--overlap-rounds``) has ``flight``, its wall time while the
+trainer went on with inner steps; its parts are parts of that, and ``end`` is only what the trainer waited
+(the landing of the new anchor).
 """
 
 from __future__ import annotations
@@ -114,14 +118,16 @@ class RoundClock:
             self._update_started = 0.0
 
     # ---- records ----------------------------------------------------------------------------------------
-    def close_round(self, epoch: int, end_seconds: float) -> dict[str, Any]:
-        """Record the round that ended at global epoch ``epoch`` after ``end_seconds`` of its last step."""
+    def close_round(self, epoch: int, end_seconds: float, flight: float = 0.0) -> dict[str, Any]:
+        """Record the round that ended at global epoch ``epoch`` after ``end_seconds`` of its last step (and
+        ``flight`` seconds in the background, if it ran there)."""
         parts = {k: round(v, 4) for k, v in self.parts.items()}
         record = {
             "epoch": epoch,
             "end": round(end_seconds, 4),
+            "flight": round(flight, 4),
             **parts,
-            "other": round(max(0.0, end_seconds - sum(self.parts.values())), 4),
+            "other": round(max(0.0, max(end_seconds, flight) - sum(self.parts.values())), 4),
             "outcome": self.outcome,
             "group": self.group,
             "strangers": self.strangers,
@@ -136,8 +142,8 @@ class RoundClock:
         """Totals, medians and outcome counts over the recorded rounds (for summary.json)."""
         rounds = self.rounds
         out: dict[str, Any] = {"rounds": len(rounds)}
-        for key in ("end", *PARTS, "other"):
-            values = [r[key] for r in rounds]
+        for key in ("end", "flight", *PARTS, "other"):
+            values = [r.get(key, 0.0) for r in rounds]
             out[f"{key}_seconds_total"] = round(sum(values), 3)
             out[f"{key}_seconds_median"] = round(statistics.median(values), 4) if values else None
         for outcome in ("averaged", "local", "alone"):

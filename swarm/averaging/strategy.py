@@ -135,6 +135,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         check_downloads: check every state downloaded from a donor against the states that the other peers
             published for its epoch, and take it from the next donor if they contradict it (see
             swarm/averaging/donors.py).
+        overlap_rounds: DiLoCo: run each outer round in the background while the inner steps go on, and
+            apply its result one round late (see swarm/averaging/diloco.py).
         optimizer_kwargs: passed on to ``hivemind.Optimizer``.
     """
 
@@ -171,6 +173,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         skip_agreed_state_rounds: bool = True,
         aggregation: str = "centered_clip",
         check_downloads: bool = True,
+        overlap_rounds: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
         device = torch.device(device)
@@ -214,6 +217,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             round_seconds=round_seconds,
             outer_lr=outer_lr,
             outer_momentum=outer_momentum,
+            overlap=overlap_rounds,
         )
         self.diloco: DiLoCo | None = None
         self.loaded_epoch: int | None = None
@@ -265,14 +269,18 @@ class HivemindStrategy(SingleDeviceStrategy):
             skip_agreed_state_rounds=swarm.skip_agreed_state_rounds,
             aggregation=swarm.aggregation,
             check_downloads=swarm.check_downloads,
+            overlap_rounds=swarm.overlap_rounds,
         )
         return cls(node=node, batch_size=batch_size, **{**fields, **kwargs})
 
     # ---- properties that roles and callbacks read -------------------------------------------------
     @property
     def local_epoch(self) -> int:
-        """This peer's global epoch (number of swarm optimizer steps it has taken part in)."""
-        return self.hivemind_opt.local_epoch if self.hivemind_opt is not None else 0
+        """This peer's global epoch (number of swarm optimizer steps it has taken part in); with a DiLoCo
+        round in the background, the epoch of the parameters it trains until that round lands."""
+        if self.hivemind_opt is None:
+            return 0
+        return self.diloco.epoch if self.diloco is not None else self.hivemind_opt.local_epoch
 
     def state_sketch(self) -> list[float] | None:
         """The sketch of the state this peer serves to newcomers now (its parameters as the state averager
@@ -449,6 +457,8 @@ class HivemindStrategy(SingleDeviceStrategy):
     def load_state_from_peers(self) -> None:
         """Download the newest parameters and optimizer state from the swarm (no-op if alone)."""
         assert self.hivemind_opt is not None
+        if self.diloco is not None:
+            self.diloco.settle()  # a round in the background lands first: the download replaces its result
         before = self.hivemind_opt.local_epoch
         self.hivemind_opt.load_state_from_peers()
         if self.diloco is not None:
@@ -491,7 +501,8 @@ class HivemindStrategy(SingleDeviceStrategy):
             spent = time.perf_counter() - began
             self.round_end_seconds += spent
             if self.clock is not None:
-                self.clock.close_round(self.local_epoch, spent)
+                flight = self.diloco.last_flight if self.diloco is not None and self.diloco.overlap else 0.0
+                self.clock.close_round(self.local_epoch, spent, flight)
             self._after_global_step(module)
         if self.faults is not None and self.hivemind_opt is not None:
             accumulated = (
@@ -681,6 +692,15 @@ class HivemindStrategy(SingleDeviceStrategy):
         self._shut_down = True
         if self.guard is not None:
             self.guard.close()
+        if self.diloco is not None:  # a round in the background: waited for as hivemind's own shutdown does
+            wait = self.leave_timeout if self.leaving else self._optimizer_kwargs["averaging_timeout"]
+            before = self.diloco.epoch
+            try:
+                self.diloco.settle(wait)
+            except Exception as exc:  # the round failed in the background: nothing left to keep from it
+                log.info("The last outer round ended with %r", exc)
+            if self.clock is not None and self.diloco.epoch != before:
+                self.clock.close_round(self.diloco.epoch, 0.0, self.diloco.last_flight)
         if self.clock is not None:
             self.clock.close()
         if self._wired is not None:

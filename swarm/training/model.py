@@ -371,12 +371,13 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-def param_checksum(module: nn.Module) -> list[float]:
-    """Two float64 sums over all parameters (plain and squared): equal parameters give equal sums.
-    Under FSDP each rank sums only its own shards."""
+def param_checksum(module: nn.Module | list[torch.Tensor]) -> list[float]:
+    """Two float64 sums over all parameters (plain and squared) of a module or a list of tensors: equal
+    parameters give equal sums. Under FSDP each rank sums only its own shards."""
     total, squares = 0.0, 0.0
+    params = module.parameters() if isinstance(module, nn.Module) else module
     with torch.no_grad():
-        for p in module.parameters():
+        for p in params:
             d = local_tensor(p).detach().double()
             total += float(d.sum())
             squares += float((d * d).sum())

@@ -142,3 +142,22 @@ def test_a_diloco_peer_waiting_for_the_swarm_reads_its_progress_every_waiting_re
                 reads, seen = reads + 1, a.global_progress
             time.sleep(0.02)  # DiLoCo.outer_step's turn
         assert reads >= 10, reads
+
+
+def test_a_peer_with_a_round_in_flight_expects_groupmates_that_computed_until_now():
+    """--overlap-rounds: while this peer's pseudo-gradient of 16 steps (taken in 0.5 s since its previous
+    launch) is in flight, a groupmate may have computed through a stalled round of its own, from about this
+    peer's previous launch until now. After 1.5 s more, an honest phase may hold 4x this peer's steps at its
+    speed, and the screen's scale (DiLoCo.pseudo_gradient_scale) says so; with no round in flight it is 1."""
+    import threading
+
+    from swarm.averaging.diloco import DiLoCo
+
+    inner = torch.optim.AdamW(torch.nn.Linear(4, 3).parameters())
+    diloco = DiLoCo(inner, local_steps=16, outer_lr=0.7, outer_momentum=0.9, overlap=True)
+    diloco.sent_steps = 16
+    assert diloco.pseudo_gradient_scale() == 1.0
+    now = time.perf_counter()
+    diloco._flight = threading.Event()
+    diloco._sent_phase_began, diloco._flight_began = now - 2.0, now - 1.5
+    assert 3.9 <= diloco.pseudo_gradient_scale() <= 4.1, diloco.pseudo_gradient_scale()

@@ -40,6 +40,7 @@ waiting them out.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -171,9 +172,12 @@ class DiLoCo:
         self.sent_steps = 0
         # overlap: the outer round runs in a background thread while the inner steps go on
         self.overlap = overlap
-        self._flight: threading.Thread | None = None
+        self._flight: threading.Event | None = None  # set when the round in flight has ended
+        self._rounds: queue.SimpleQueue | None = None  # the background thread's work: (epoch, samples, done)
         self._flight_epoch = 0  # the global epoch the round in flight started from
         self._flight_began = 0.0
+        self._phase_began = time.perf_counter()  # when this peer's step count last restarted
+        self._sent_phase_began = self._phase_began  # the same, for the pseudo-gradient in flight
         self._flight_error: BaseException | None = None
         self._phase_end: list[torch.Tensor] = []  # the parameters whose pseudo-gradient is in flight
         self.last_flight = 0.0  # seconds the last round that landed ran in the background
@@ -182,6 +186,30 @@ class DiLoCo:
 
     def attach(self, opt: hivemind.Optimizer) -> None:
         self.opt = opt
+        self._phase_began = time.perf_counter()
+        if self.overlap:
+            # one thread for every round, started now: a thread inherits its creator's priority, and the
+            # training thread may lower its own later (HivemindStrategy's trainer_nice)
+            self._rounds = queue.SimpleQueue()
+            threading.Thread(target=self._serve_rounds, name="diloco-outer-rounds", daemon=True).start()
+
+    def _serve_rounds(self) -> None:
+        rounds = self._rounds
+        assert rounds is not None
+        while (work := rounds.get()) is not None:
+            epoch, samples, done = work
+            try:
+                self._outer_round(epoch, samples)
+            except BaseException as exc:  # raised again in the training thread when the round lands
+                self._flight_error = exc
+            finally:
+                done.set()
+
+    def detach(self) -> None:
+        """Stop the background thread (after the last round has landed)."""
+        if self._rounds is not None:
+            self._rounds.put(None)
+            self._rounds = None
 
     @torch.no_grad()
     def anchors_to_params(self) -> None:
@@ -221,6 +249,14 @@ class DiLoCo:
         ``round_seconds``, whichever is more."""
         expected = self.local_steps if self.round_seconds <= 0 else self._steps_per_round()
         sent = self.sent_steps
+        if self._flight is not None and sent > 0:
+            # overlap: a groupmate keeps computing through its own rounds, and one whose last round stalled
+            # offers a phase that ran from about this peer's previous launch until now (seen: 163 inner
+            # steps against this peer's 17, and the honest mean rejected). At this peer's own speed:
+            phase = self._flight_began - self._sent_phase_began
+            if phase > 0:
+                grown = time.perf_counter() - self._sent_phase_began
+                expected = max(expected, int(sent * grown / phase))
         return expected / sent if 0 < sent < expected else 1.0
 
     def _steps_per_round(self) -> int:
@@ -242,7 +278,7 @@ class DiLoCo:
         self.steps += 1
         self.samples += batch_size
         if self._flight is not None:  # overlap: a round is in flight; land it if it has ended
-            return False if self._flight.is_alive() else self._land()
+            return self._land() if self._flight.is_set() else False
         opt.tracker.report_local_progress(opt.local_epoch, self.samples)
         ready = opt.tracker.ready_to_update_epoch
         if not ready and (self.round_seconds > 0 or self.steps < self.local_steps):
@@ -304,24 +340,18 @@ class DiLoCo:
         self.steps = self.samples = 0
         self._flight_epoch, self._flight_error = epoch, None
         self._flight_began = time.perf_counter()
-        self._flight = threading.Thread(
-            target=self._fly, args=(epoch, samples), name="diloco-outer-round", daemon=True
-        )
-        self._flight.start()
+        self._sent_phase_began, self._phase_began = self._phase_began, self._flight_began
+        self._flight = threading.Event()
+        assert self._rounds is not None
+        self._rounds.put((epoch, samples, self._flight))
         return False
-
-    def _fly(self, epoch: int, samples: int) -> None:
-        try:
-            self._outer_round(epoch, samples)
-        except BaseException as exc:  # raised again in the training thread when the round lands
-            self._flight_error = exc
 
     @torch.no_grad()
     def _land(self) -> bool:
         """The round in flight has ended: move the parameters onto the new anchor, keeping the inner steps
         taken meanwhile; True if the global epoch advanced."""
         assert self._flight is not None
-        self._flight.join()
+        self._flight.wait()
         self._flight = None
         self.last_flight = time.perf_counter() - self._flight_began
         self.flight_seconds += self.last_flight
@@ -346,6 +376,5 @@ class DiLoCo:
         """Wait up to ``timeout`` for the round in flight, and land it (before a download or a shutdown)."""
         if self._flight is None:
             return
-        self._flight.join(timeout)
-        if not self._flight.is_alive():
+        if self._flight.wait(timeout):
             self._land()

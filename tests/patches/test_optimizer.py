@@ -225,7 +225,7 @@ def test_a_diloco_peer_after_one_inner_step_accepts_the_mean_of_peers_that_took_
     first round (seen in the DiLoCo test's summaries: ``rejected: ['gradient']``)."""
     inner = torch.optim.AdamW(torch.nn.Linear(4, 3).parameters())
     diloco = DiLoCo(inner, local_steps=16, outer_lr=0.7, outer_momentum=0.9)
-    diloco.steps = 1
+    diloco.sent_steps = 1  # the steps behind the pseudo-gradient in the round
     assert diloco.pseudo_gradient_scale() == 16.0
     with _screened_gradient_pair(dhts, "pytest-rounds-diloco-screen", diloco.pseudo_gradient_scale) as pair:
         *_, screen, rejected, loaded = pair

@@ -278,13 +278,6 @@ def averaging_options(func: Callable) -> Callable:
                 help="DiLoCo: keep taking inner steps while the outer round runs in the background, and "
                 "apply its result one round late [off].",
             ),
-            click.option(
-                "--trainer-nice",
-                type=click.IntRange(0, 19),
-                default=None,
-                help="Lower the training thread's CPU priority by this much once the helpers run, so that "
-                "they answer first on a busy CPU [0].",
-            ),
             click.option("--outer-lr", type=float, default=None, help="DiLoCo: outer Nesterov SGD lr [0.7]."),
             click.option("--outer-momentum", type=float, default=None, help="DiLoCo: outer momentum [0.9]."),
         ]

@@ -205,9 +205,6 @@ class SwarmConfig:
     """DiLoCo: run each outer round (matchmaking, the all-reduce, the outer step) in the background while
     this peer goes on with inner steps, and apply its result one round late, keeping the steps taken
     meanwhile. A per-peer choice: peers with and without it train together."""
-    trainer_nice: int = 0
-    """Lower the training thread's CPU priority by this many nice levels (0-19) once the swarm's helpers
-    (DHT, p2p daemon, averagers) run, so that on a CPU the trainer keeps busy they answer first."""
     outer_lr: float = 0.7
     """DiLoCo: learning rate of the outer Nesterov SGD (the paper's 0.7)."""
     outer_momentum: float = 0.9
@@ -280,7 +277,6 @@ class SwarmConfig:
             self.overlap_rounds,
             "false unless averaging is 'diloco' (gradient rounds are waited for)",
         )
-        _check(0 <= self.trainer_nice <= 19, "trainer_nice", self.trainer_nice, "an integer in [0, 19]")
         _check(self.outer_lr > 0, "outer_lr", self.outer_lr, "a number > 0")
         _check(0 <= self.outer_momentum < 1, "outer_momentum", self.outer_momentum, "a number in [0, 1)")
 

@@ -4,7 +4,6 @@ non-finite gradients are never applied, and teardown stops the optimizer and the
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import lightning as L
@@ -284,56 +283,6 @@ def test_a_diloco_peer_that_overlaps_rounds_keeps_the_steps_it_took_during_each_
     assert len(rounds) == d.outer_steps and all(r["flight"] > 0 for r in rounds), rounds
     assert d.flight_seconds == pytest.approx(sum(r["flight"] for r in rounds), abs=1e-3 * len(rounds))
     assert all(torch.isfinite(p).all() for p in module.parameters())
-
-
-class Priorities(L.Callback):
-    """Reads, at the first training step, the nice values of the training thread, of the thread that runs
-    DiLoCo's rounds in the background, and of the averager processes."""
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, idx) -> None:
-        if idx:
-            return
-        import threading
-
-        strategy = trainer.strategy
-        self.trainer = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        rounds = next(t for t in threading.enumerate() if t.name == "diloco-outer-rounds")
-        self.rounds = os.getpriority(os.PRIO_PROCESS, rounds.native_id)
-        self.averagers = [os.getpriority(os.PRIO_PROCESS, a.pid) for a in strategy._averagers()]
-
-
-def check_trainer_nice() -> None:
-    base = os.getpriority(os.PRIO_PROCESS, 0)
-    seen = Priorities()
-    _fit(
-        SwarmClassifier,
-        steps=4,
-        averaging="diloco",
-        local_steps=2,
-        overlap_rounds=True,
-        trainer_nice=7,
-        callbacks=(seen,),
-        target_batch_size=64,
-    )
-    assert seen.trainer == min(19, base + 7), (base, seen.trainer)
-    assert seen.rounds == base and seen.averagers == [base, base], (base, seen.rounds, seen.averagers)
-
-
-def test_trainer_nice_lowers_the_training_threads_priority_and_no_helpers():
-    """trainer_nice 7: once training starts, the training thread runs 7 nice levels lower; the averager
-    processes and the thread of DiLoCo's background rounds keep the priority they started with. In a
-    process of its own: a thread cannot raise its priority back without privileges, and every process this
-    one started afterwards would inherit the lower one."""
-    import subprocess
-    import sys
-
-    done = subprocess.run(
-        [sys.executable, "-c", "from tests.test_strategy import check_trainer_nice; check_trainer_nice()"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
 
 
 class SleepEachStep(L.Callback):

@@ -188,8 +188,7 @@ class DiLoCo:
         self.opt = opt
         self._phase_began = time.perf_counter()
         if self.overlap:
-            # one thread for every round, started now: a thread inherits its creator's priority, and the
-            # training thread may lower its own later (HivemindStrategy's trainer_nice)
+            # one thread for every round, started once
             self._rounds = queue.SimpleQueue()
             threading.Thread(target=self._serve_rounds, name="diloco-outer-rounds", daemon=True).start()
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import signal
 import threading
 import time
@@ -138,8 +137,6 @@ class HivemindStrategy(SingleDeviceStrategy):
             swarm/averaging/donors.py).
         overlap_rounds: DiLoCo: run each outer round in the background while the inner steps go on, and
             apply its result one round late (see swarm/averaging/diloco.py).
-        trainer_nice: lower the training thread's CPU priority by this much (0-19) when training starts,
-            after the helpers (DHT, p2p daemon, averagers, the background round) started at the old one.
         optimizer_kwargs: passed on to ``hivemind.Optimizer``.
     """
 
@@ -177,7 +174,6 @@ class HivemindStrategy(SingleDeviceStrategy):
         aggregation: str = "centered_clip",
         check_downloads: bool = True,
         overlap_rounds: bool = False,
-        trainer_nice: int = 0,
         **optimizer_kwargs: Any,
     ) -> None:
         device = torch.device(device)
@@ -243,7 +239,6 @@ class HivemindStrategy(SingleDeviceStrategy):
             verbose=verbose,
             **optimizer_kwargs,
         )
-        self.trainer_nice = trainer_nice
         self._shut_down = False
         self.leaving = False  # set when the peer was asked to leave (a signal): shutdown is then bounded
         self.leave_timeout = 3.0
@@ -275,7 +270,6 @@ class HivemindStrategy(SingleDeviceStrategy):
             aggregation=swarm.aggregation,
             check_downloads=swarm.check_downloads,
             overlap_rounds=swarm.overlap_rounds,
-            trainer_nice=swarm.trainer_nice,
         )
         return cls(node=node, batch_size=batch_size, **{**fields, **kwargs})
 
@@ -321,8 +315,6 @@ class HivemindStrategy(SingleDeviceStrategy):
         super().on_train_start()
         if self.hivemind_opt is not None:
             self.hivemind_opt.tracker.performance_ema.reset_timer()
-        if self.trainer_nice > 0:
-            lower_priority(self.trainer_nice)
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
@@ -754,17 +746,6 @@ class HivemindStrategy(SingleDeviceStrategy):
     def teardown(self) -> None:
         self.shutdown()
         super().teardown()
-
-
-def lower_priority(by: int) -> None:
-    """Lower the calling thread's CPU priority by ``by`` nice levels (Linux sets priorities per thread):
-    the helper processes and threads started before keep theirs, and on a CPU that the trainer keeps busy
-    they answer their groupmates first."""
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
-    except OSError as exc:  # not Linux, or a sandbox that forbids it: train at the usual priority
-        log.warning("Could not lower the training thread's priority (%s); it keeps the usual one", exc)
 
 
 def _terminate(processes: list) -> None:

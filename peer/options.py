@@ -278,6 +278,12 @@ def averaging_options(func: Callable) -> Callable:
                 help="DiLoCo: keep taking inner steps while the outer round runs in the background, and "
                 "apply its result one round late [off].",
             ),
+            click.option(
+                "--match-early/--no-match-early",
+                default=None,
+                help="DiLoCo with --round-seconds: look for the round's group before the inner phase ends, "
+                "so that it is there when the phase ends [off].",
+            ),
             click.option("--outer-lr", type=float, default=None, help="DiLoCo: outer Nesterov SGD lr [0.7]."),
             click.option("--outer-momentum", type=float, default=None, help="DiLoCo: outer momentum [0.9]."),
         ]

@@ -205,6 +205,9 @@ class SwarmConfig:
     """DiLoCo: run each outer round (matchmaking, the all-reduce, the outer step) in the background while
     this peer goes on with inner steps, and apply its result one round late, keeping the steps taken
     meanwhile. A per-peer choice: peers with and without it train together."""
+    match_early: bool = False
+    """DiLoCo with round_seconds: look for the round's group before the inner phase ends, once the swarm's
+    estimated end of the phase is within matchmaking_time (hivemind's pre-scheduling), instead of after."""
     outer_lr: float = 0.7
     """DiLoCo: learning rate of the outer Nesterov SGD (the paper's 0.7)."""
     outer_momentum: float = 0.9
@@ -276,6 +279,12 @@ class SwarmConfig:
             "overlap_rounds",
             self.overlap_rounds,
             "false unless averaging is 'diloco' (gradient rounds are waited for)",
+        )
+        _check(
+            not self.match_early or (self.averaging == "diloco" and self.round_seconds > 0),
+            "match_early",
+            self.match_early,
+            "false unless averaging is 'diloco' with round_seconds > 0 (phases that end together)",
         )
         _check(self.outer_lr > 0, "outer_lr", self.outer_lr, "a number > 0")
         _check(0 <= self.outer_momentum < 1, "outer_momentum", self.outer_momentum, "a number in [0, 1)")

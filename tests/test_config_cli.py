@@ -46,6 +46,15 @@ def test_overlap_rounds_needs_diloco_and_comes_from_flag_or_environment():
     assert not build_config("demo", {"averaging": "diloco"}, environ={}).swarm.overlap_rounds
 
 
+def test_match_early_needs_rounds_paced_by_time():
+    for fields in ({"match_early": True}, {"match_early": True, "averaging": "diloco"}):
+        with pytest.raises(ConfigError, match="match_early"):
+            build_config("demo", fields, environ={})
+    paced = {"match_early": True, "averaging": "diloco", "round_seconds": 5.0}
+    assert build_config("demo", paced, environ={}).swarm.match_early
+    assert build_config("internet", environ={}).swarm.match_early
+
+
 @pytest.mark.parametrize(
     "text, message",
     [

@@ -78,12 +78,12 @@ def modes(peers: int) -> dict[str, tuple[list[str], dict[str, str] | None]]:
         ),
         "internet": (  # configs/internet.yaml's swarm settings, its round time scaled to the demo's model
             ["--averaging", "diloco", "--round-seconds", str(ROUND_SECONDS), "--overlap-rounds",
-             "--compression", "int8", "--target-batch-size", str(diloco), "--average-state-every", "10",
-             "--max-epochs", str(timed), "--eval-every", "1"],
+             "--match-early", "--compression", "int8", "--target-batch-size", str(diloco),
+             "--average-state-every", "10", "--max-epochs", str(timed), "--eval-every", "1"],
             {"SWARM_WARMUP_EPOCHS": "1", "SWARM_SCHEDULE_EPOCHS": str(timed),
              "SWARM_REPORT_EVERY": str(INTERNET_REPORT_EVERY)},
         ),
-        "internet-waited": (  # the same, its rounds waited for (no --overlap-rounds) and twice as long
+        "internet-waited": (  # its rounds waited for (no --overlap-rounds, --match-early) and twice as long
             ["--averaging", "diloco", "--round-seconds", str(WAITED_ROUND_SECONDS), "--compression", "int8",
              "--target-batch-size", str(diloco), "--average-state-every", "10", "--max-epochs", str(timed),
              "--eval-every", "1"],
@@ -97,7 +97,7 @@ def modes(peers: int) -> dict[str, tuple[list[str], dict[str, str] | None]]:
 MODE_NAMES = {
     "grad+int8": "gradients, int8",
     "diloco+int8": f"DiLoCo H={DILOCO_H}, int8",
-    "internet": f"internet: DiLoCo {ROUND_SECONDS:g} s rounds in the background, int8",
+    "internet": f"internet: DiLoCo {ROUND_SECONDS:g} s rounds matched early, in the background, int8",
     "internet-waited": f"DiLoCo {WAITED_ROUND_SECONDS:g} s rounds waited for, int8",
 }
 

@@ -14,11 +14,11 @@ the inner state in one go.
 A peer that finishes its local steps waits (as in the paper, synchronously) until the swarm as a whole has
 accumulated ``target_batch_size`` samples, or until hivemind's estimate of when that happens has passed
 (a peer that died is not waited for), or until its round's group has formed: a peer looks for a group only
-once its inner phase is over (:func:`group_formed`), so a formed group has every member's pseudo-gradient
-and the peer need not wait for its own reads of the swarm's progress to show the others done (in a 2-peer
-run on 2 cores that wait was 51 ms of the 113 ms that ended each outer round). If the swarm is
-ready before this peer has done its local steps, it joins the round early rather than miss it. While it
-waits it reads the swarm's progress every ``WAITING_READS_EVERY`` (50 ms).
+once its inner phase is over (:func:`group_formed`; but see ``match_early`` below), so a formed group has
+every member's pseudo-gradient and the peer need not wait for its own reads of the swarm's progress to
+show the others done (in a 2-peer run on 2 cores that wait was 51 ms of the 113 ms that ended each outer
+round). If the swarm is ready before this peer has done its local steps, it joins the round early rather
+than miss it. While it waits it reads the swarm's progress every ``WAITING_READS_EVERY`` (50 ms).
 
 With ``round_seconds`` (``--round-seconds``) the inner phase is bounded by time instead: the target batch
 follows the swarm's summed speed (swarm/patches/progress.py ``pace_by_time``), and every peer takes inner
@@ -35,6 +35,12 @@ The outer update thus reaches the parameters one round late, as in Streaming DiL
 and eager DiLoCo (Kale et al. 2025). Samples computed during the round count toward the next one. A
 volunteer behind a slow, distant link then computes through matchmaking and the all-reduce instead of
 waiting them out.
+
+With ``match_early`` (``--match-early``, with ``round_seconds``) a peer looks for its round's group while it
+still computes, once the swarm's estimated end of the phase is within ``matchmaking_time`` (hivemind's own
+pre-scheduling, optimizer.py ``_maybe_schedule_gradient_averaging``, which a DiLoCo peer otherwise reaches
+only at its outer step). Paced by time, every peer's phase ends when the tracker says the swarm is ready, so
+a group formed early is one whose members end their phases together.
 """
 
 from __future__ import annotations
@@ -148,6 +154,7 @@ class DiLoCo:
         should_stop=lambda: False,
         before_outer_step=lambda: False,
         overlap: bool = False,
+        match_early: bool = False,
     ) -> None:
         self.inner, self.local_steps = inner, local_steps
         # > 0: the inner phase ends when the swarm is ready (its target paced to this many seconds of its
@@ -172,6 +179,7 @@ class DiLoCo:
         self.sent_steps = 0
         # overlap: the outer round runs in a background thread while the inner steps go on
         self.overlap = overlap
+        self.match_early = match_early and round_seconds > 0  # phases end when the swarm is ready
         self._flight: threading.Event | None = None  # set when the round in flight has ended
         self._rounds: queue.SimpleQueue | None = None  # the background thread's work: (epoch, samples, done)
         self._flight_epoch = 0  # the global epoch the round in flight started from
@@ -281,6 +289,10 @@ class DiLoCo:
         opt.tracker.report_local_progress(opt.local_epoch, self.samples)
         ready = opt.tracker.ready_to_update_epoch
         if not ready and (self.round_seconds > 0 or self.steps < self.local_steps):
+            if self.match_early:
+                # hivemind's own pre-scheduling: look for the group once the swarm's estimated end of the
+                # phase is within matchmaking_time, so that the group is there when the phase ends
+                opt._maybe_schedule_gradient_averaging()
             return False
         return self._launch() if self.overlap else self.outer_step()
 

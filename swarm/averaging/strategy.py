@@ -174,6 +174,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         aggregation: str = "centered_clip",
         check_downloads: bool = True,
         overlap_rounds: bool = False,
+        match_early: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
         device = torch.device(device)
@@ -218,6 +219,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             outer_lr=outer_lr,
             outer_momentum=outer_momentum,
             overlap=overlap_rounds,
+            match_early=match_early,
         )
         self.diloco: DiLoCo | None = None
         self.loaded_epoch: int | None = None
@@ -270,6 +272,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             aggregation=swarm.aggregation,
             check_downloads=swarm.check_downloads,
             overlap_rounds=swarm.overlap_rounds,
+            match_early=swarm.match_early,
         )
         return cls(node=node, batch_size=batch_size, **{**fields, **kwargs})
 

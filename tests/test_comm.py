@@ -141,6 +141,16 @@ def test_compression_specs_are_checked():
 OUTER = 12
 
 
+def _bootstrap(peers, run, tmp_path) -> str:
+    """A bootstrap peer of ``run`` (a DHT node that does not train); the address to join it at."""
+    entry = PeerProcess(
+        "entry",
+        ["bootstrap", "--config", "demo", "--run-id", run, "--log-dir", str(tmp_path)],
+        peers,
+    )
+    return entry.join_address(timeout=120)
+
+
 def _diloco_peer(peers, name, run, tmp_path, *extra, seed):
     args = [
         "join",
@@ -173,12 +183,7 @@ def _diloco_peer(peers, name, run, tmp_path, *extra, seed):
 
 def test_diloco_peers_end_each_outer_step_equal_and_a_newcomer_loads_inner_and_outer_state(peers, tmp_path):
     run = "pytest-diloco"
-    entry = PeerProcess(
-        "entry",
-        ["bootstrap", "--config", "demo", "--run-id", run, "--log-dir", str(tmp_path)],
-        peers,
-    )
-    address = entry.join_address(timeout=120)
+    address = _bootstrap(peers, run, tmp_path)
     # The swarm trains until the newcomer has loaded its state and trained 2 outer steps with it, and only
     # then is told to leave (SIGTERM, as a reclaimed machine is): with rounds that end in a fraction of a
     # second, a fixed number of outer steps ended before a newcomer that needs 10 to 30 s to come up on a
@@ -263,12 +268,7 @@ def test_diloco_peers_that_overlap_rounds_train_through_them_and_share_each_anch
     epoch), each round's time in the background is recorded and is more than the trainer waited for the
     rounds (landing a round moves the parameters, nothing more), and the loss falls."""
     run = "pytest-diloco-overlap"
-    entry = PeerProcess(
-        "entry",
-        ["bootstrap", "--config", "demo", "--run-id", run, "--log-dir", str(tmp_path)],
-        peers,
-    )
-    address = entry.join_address(timeout=120)
+    address = _bootstrap(peers, run, tmp_path)
     common = ("--max-epochs", "6", "--initial-peers", address, "--overlap-rounds", "--min-peers", "2")
     pair = [_diloco_peer(peers, name, run, tmp_path, *common, seed=i) for i, name in enumerate(("a", "b"))]
     for p in pair:
@@ -296,12 +296,7 @@ def test_diloco_peers_that_match_early_find_their_group_while_they_compute(peers
     group already assembled when the phase ends (matchmaking under 10 ms in the round's record). Without it a
     group forms only after the phase ends: 70-330 ms of matchmaking in every round on loopback."""
     run = "pytest-diloco-early"
-    entry = PeerProcess(
-        "entry",
-        ["bootstrap", "--config", "demo", "--run-id", run, "--log-dir", str(tmp_path)],
-        peers,
-    )
-    address = entry.join_address(timeout=120)
+    address = _bootstrap(peers, run, tmp_path)
     common = (
         "--max-epochs", "8", "--initial-peers", address, "--min-peers", "2",
         "--round-seconds", "2", "--overlap-rounds", "--match-early",

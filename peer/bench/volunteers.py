@@ -64,7 +64,7 @@ def modes(peers: int) -> dict[str, tuple[list[str], dict[str, str] | None]]:
     diloco = peers * DILOCO_H * BATCH
     rounds = max(2, SAMPLES // diloco)
     timed = TIMED_ROUNDS
-    found = {
+    return {
         "grad+int8": (
             ["--compression", "int8", "--target-batch-size", str(grad), "--average-state-every", "10",
              "--max-epochs", str(SAMPLES // grad), "--eval-every", str(max(1, 2048 // grad))],
@@ -91,7 +91,6 @@ def modes(peers: int) -> dict[str, tuple[list[str], dict[str, str] | None]]:
              "SWARM_REPORT_EVERY": str(INTERNET_REPORT_EVERY)},
         ),
     }  # fmt: skip
-    return found
 
 
 MODE_NAMES = {

@@ -190,7 +190,7 @@ class DiLoCo:
         self._phase_end: list[torch.Tensor] = []  # the parameters whose pseudo-gradient is in flight
         self.last_flight = 0.0  # seconds the last round that landed ran in the background
         self.flight_seconds = 0.0  # in total
-        self._sent = (0, 0)  # (steps, samples) behind the pseudo-gradient in flight
+        self._sent_samples = 0  # the samples behind the pseudo-gradient in flight (its steps: sent_steps)
 
     def attach(self, opt: hivemind.Optimizer) -> None:
         self.opt = opt
@@ -347,7 +347,7 @@ class DiLoCo:
         self._offer()
         with torch.no_grad():
             self._phase_end = [p.detach().clone() for p in self.params]
-        self._sent = (self.steps, self.samples)
+        self._sent_samples = samples
         self.steps = self.samples = 0
         self._flight_epoch, self._flight_error = epoch, None
         self._flight_began = time.perf_counter()
@@ -372,7 +372,7 @@ class DiLoCo:
             raise error
         opt = self.opt
         if opt.local_epoch == self._flight_epoch:  # leaving: nothing was averaged; the samples stay unsent
-            self.steps, self.samples = self.steps + self._sent[0], self.samples + self._sent[1]
+            self.steps, self.samples = self.steps + self.sent_steps, self.samples + self._sent_samples
             return False
         for p, a, end in zip(self.params, self.anchors, phase_end, strict=True):
             p.add_(a.to(p.device, p.dtype) - end)  # new anchor + the steps since the phase ended

@@ -243,7 +243,9 @@ def _mtime(path: str) -> float:
 
 class GracefulStop:
     """SIGINT/SIGTERM handler: the first signal asks the peer to leave after the current step; if the step
-    is still blocked (e.g. in an all-reduce) after SHUTDOWN_GRACE_S, or on a second signal, it interrupts."""
+    is still blocked (e.g. in an all-reduce) after SHUTDOWN_GRACE_S, or on a second signal, it interrupts.
+    Once the role's orderly shutdown has begun (:meth:`disarm`), a further signal changes nothing: the
+    force-exit deadline still bounds it."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
@@ -280,6 +282,9 @@ class GracefulStop:
                 os.kill(os.getpid(), signum)
             return  # Ctrl-C reaches the whole group; the parent shuts children down in order
         if self.event.is_set():
+            if self._disarmed:  # the orderly shutdown is under way: cut short, it would strand its helpers
+                log.info("Received %s again: already leaving", signal.Signals(signum).name)
+                return
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
         self.event.set()

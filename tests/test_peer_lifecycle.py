@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +33,36 @@ def _signal_group_and_time_exit(peer: PeerProcess, sig: int, limit: float) -> tu
     while group_members(peer.pgid) and time.time() - sent < limit + 20:
         time.sleep(0.1)
     return code, time.time() - sent
+
+
+SIGNALLED_TWICE = """
+import logging, os, signal, time
+logging.basicConfig(level=logging.INFO)
+from swarm.procs import GracefulStop
+stop = GracefulStop()
+stop.install()
+os.kill(os.getpid(), signal.SIGTERM)  # leave after the current step
+time.sleep(0.2)
+assert stop.event.is_set()
+stop.disarm()  # the orderly shutdown begins
+os.kill(os.getpid(), signal.SIGTERM)  # a supervisor that signals again, or an impatient user
+time.sleep(0.2)
+print("shutdown went on")
+"""
+
+
+def test_a_second_signal_does_not_cut_an_orderly_shutdown_short():
+    """Once a peer has begun to leave in order (its averagers saying goodbye through the p2p daemon), a
+    second SIGTERM must not interrupt it: an interrupted shutdown stopped the daemon under the averagers,
+    and each printed a traceback. Real signals, in a child process (the handler's force-exit deadline
+    would end the test's own process)."""
+    done = subprocess.run(
+        [sys.executable, "-c", SIGNALLED_TWICE], capture_output=True, text=True, timeout=60,
+        cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert done.returncode == 0 and "shutdown went on" in done.stdout, done.stdout + done.stderr
+    assert "Received SIGTERM again: already leaving" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
 
 
 def test_sigterm_and_sigint_leave_cleanly(peers, tmp_path):

@@ -191,6 +191,24 @@ def test_fp16_amp_with_grad_scaler_on_gpu():
     assert all(torch.isfinite(p).all() for p in module.parameters())
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("overlap", [False, True], ids=["waited", "overlapped"])
+def test_a_diloco_peer_trains_on_a_gpu_with_the_fused_inner_adamw(overlap):
+    """On CUDA the inner AdamW runs torch's fused kernel, which wants its step counts on the GPU: the inner
+    state that DiLoCo creates up front for sharing must be where torch itself would put it."""
+    _, strategy, _, module, _ = _fit(
+        SwarmClassifier, steps=8, precision="bf16-mixed", device="cuda", averaging="diloco", local_steps=4,
+        target_batch_size=128, overlap_rounds=overlap,
+    )  # fmt: skip
+    inner = strategy.diloco.inner
+    assert all(g["fused"] for g in inner.param_groups)
+    # (after fit, Lightning's teardown has moved the module back to the CPU; the optimizer's state stays)
+    assert all(inner.state[p]["step"].is_cuda for p in module.parameters())
+    assert strategy.diloco.outer_steps >= 1 and strategy.local_epoch >= 1
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
 class InfMomentAt(L.Callback):
     """Makes one element of the inner AdamW's second moment Inf after local step ``step``, as an overflow in
     the update would: the parameters stay finite (that element's updates become 0) and so do the gradients."""

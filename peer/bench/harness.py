@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -209,7 +211,12 @@ def swarm(
         for p in started[1:]:  # all at once: a peer told first would leave the others a round short
             if p.proc.poll() is None:
                 p.proc.send_signal(signal.SIGTERM)
-        codes = [p.stop(grace=60) for p in started[1:]]
+        # their exits waited for before stop(): its SIGTERM, a second one, would cut a peer's leaving short
+        deadline = time.monotonic() + 60
+        for p in started[1:]:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        codes = [p.stop(grace=15) for p in started[1:]]
     finally:
         for p in started:
             p.stop()

@@ -80,7 +80,10 @@ def inner_state_tensors(inner: torch.optim.Optimizer) -> list[torch.Tensor]:
         for p in group["params"]:
             state = inner.state[p]
             if not state:
-                state["step"] = torch.tensor(0.0)
+                # where torch's own AdamW puts it: on the parameter's device for the fused and capturable
+                # kernels (the fused CUDA kernel refuses a step on the CPU), else on the CPU
+                on_device = group.get("fused") or group.get("capturable")
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             missing = [k for k in INNER_KEYS if k not in state]

@@ -724,6 +724,9 @@ class HivemindStrategy(SingleDeviceStrategy):
                     log.info("The p2p daemon or the averagers already exited; stopping the rest directly")
                     _terminate(averagers)
         finally:
+            # an interrupted shutdown leaves averagers that still need the p2p daemon to say goodbye: stop
+            # them first, or each prints a traceback once the daemon is gone
+            _terminate(self._averagers())
             log.info("Shutting down the DHT and p2p daemon")
             self.node.stop(network_alive)
 

@@ -201,9 +201,11 @@ def swarm(
         # ``seconds`` of training: from the first peer that says it starts (start-up under a small CPU
         # budget takes minutes), and at most STARTUP_S more from the launch
         launched, began = time.monotonic(), None
+        # a lone peer (--min-peers 1) waits for nobody and says nothing of it: its first validation marks it
+        marks = (STARTING,) if peers > 1 else (STARTING, "Validation at global epoch")
         while any(p.proc.poll() is None for p in started[1:]):
             now = time.monotonic()
-            if began is None and any(STARTING in line for p in started[1:] for line in list(p.lines)):
+            if began is None and any(m in line for p in started[1:] for line in list(p.lines) for m in marks):
                 began = now
             if now > (began if began is not None else launched + STARTUP_S) + seconds:
                 break

@@ -15,6 +15,7 @@ import math
 import os
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -60,9 +61,11 @@ class SwarmReporter(L.Callback):
         val_data: torch.utils.data.DataLoader,
         stop: GracefulStop,
         train_images: int = 0,
+        out_dir: Path | None = None,
     ) -> None:
         self.cfg, self.strategy, self.public_key, self.peer_name = cfg, strategy, public_key, peer_name
         self.val_data, self.stop, self.train_images = val_data, stop, train_images
+        self.out_dir = out_dir  # where summary.json is kept up to date at every global epoch
         self.gpu: GpuSampler | None = None
         self.cpu: CpuMeter | None = None
         self.history: list[dict[str, Any]] = []
@@ -222,6 +225,8 @@ class SwarmReporter(L.Callback):
         banned = self._banned()
         self._note_bans(banned)
         self._publish(entry, val, banned)
+        if self.out_dir is not None:  # a peer whose machine is taken away (a Colab session ends) leaves this
+            write_summary(self.out_dir, self.summary())
         self._reset_window()
 
     def _note_sketch(self, epoch: int) -> None:
@@ -443,7 +448,17 @@ class SwarmReporter(L.Callback):
             **self._diloco_summary(),
             "seconds": time.time() - self.started if hasattr(self, "started") else 0.0,
             "started_at": getattr(self, "started", None),  # when training began (after --min-peers)
+            "complete": False,  # True only in the summary written as the peer left
         }
+
+
+def write_summary(out_dir: Path, result: dict[str, Any]) -> Path:
+    """``<out_dir>/summary.json``, replaced whole (a reader, or a kill in the middle, never sees half)."""
+    path = out_dir / "summary.json"
+    part = path.with_name(f".{path.name}.part")
+    part.write_text(json.dumps(result, indent=1))
+    os.replace(part, path)
+    return path
 
 
 def _round_fields(record: dict[str, Any] | None) -> dict[str, Any]:
@@ -604,7 +619,7 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
             verbose=logging.getLogger().isEnabledFor(logging.DEBUG),  # --verbose: hivemind's own events too
         )
         reporter = SwarmReporter(
-            cfg, strategy, public_key, peer_name, val_loader(val_set, cfg.data), stop, len(train_set)
+            cfg, strategy, public_key, peer_name, val_loader(val_set, cfg.data), stop, len(train_set), out_dir
         )
         reporter.publisher = publisher
         print(f"To join this swarm, run:\n  {join_line_for(node, cfg, config_name)}", flush=True)
@@ -621,7 +636,8 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
             node.stop()
         remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
     result = reporter.summary() if reporter is not None else {"peer_name": peer_name, "final_epoch": 0}
-    (out_dir / "summary.json").write_text(json.dumps(result, indent=1))
+    result["complete"] = True
+    write_summary(out_dir, result)
     log.info(
         "Left the swarm at global epoch %d; summary in %s", result["final_epoch"], out_dir / "summary.json"
     )

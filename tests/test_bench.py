@@ -252,3 +252,44 @@ def test_a_volunteers_lab_delays_shapes_and_budgets_its_peers(tmp_path):
         assert float(done.stdout) <= 0.2 * wall + 0.1, (done.stdout, wall)
     assert not group.exists(), "the cgroup was removed"
     assert not [name for name in _netns_list() if tag in name], "the lab's namespaces were deleted"
+
+
+def test_churn_replaces_one_peer_in_five_every_30_to_60_s_and_counts_what_reached_an_epoch():
+    """The volunteers lab's churn: the draws (every 30-60 s, 2 of 8 distinct slots) and the arithmetic of
+    goodput (samples that reached a global epoch over what each incarnation's lone rate would have computed
+    while it was alive, a newcomer's start-up included) and of a newcomer's time to its first averaged
+    round."""
+    from peer.bench.harness import Churn, Incarnation
+    from peer.bench.volunteers import churn_fields
+
+    churn, moments, t = Churn((30.0, 60.0), 0.2, seed=3), [], 0.0
+    while t < 600:
+        slots = churn.due(t, 8)
+        if slots:
+            moments.append(t)
+            assert len(set(slots)) == 2 and all(1 <= s <= 8 for s in slots), slots
+        t += 0.5
+    gaps = [b - a for a, b in zip([0.0, *moments], moments, strict=False)]
+    assert len(moments) >= 10 and all(30 <= g <= 60.5 for g in gaps), gaps
+
+    def epoch(at: float, samples: int, averaged: bool = True) -> dict:
+        return {"time": at, "samples": samples, "round": {"outcome": "averaged" if averaged else "local"}}
+
+    churn.incarnations = [
+        Incarnation(1, "p1", 990.0, killed=1050.0),  # what it computed after 1040 is lost with it
+        Incarnation(2, "p2", 990.0),
+        Incarnation(1, "p1-2", 1050.0),  # trains from 1070, first averaged round at 1080
+    ]
+    sums = [
+        {"started_at": 1000.0, "history": [epoch(1010, 500), epoch(1040, 500)]},
+        {"started_at": 1000.0, "history": [epoch(1010, 1000), epoch(1040, 2000), epoch(1100, 3000)]},
+        {"started_at": 1070.0, "history": [epoch(1075, 100, False), epoch(1080, 400), epoch(1100, 500)]},
+    ]
+    for s, c in zip(sums, churn.incarnations, strict=True):
+        s["incarnation"] = {"name": c.name}
+    fields = churn_fields(sums, churn, [100.0, 200.0])
+    # 8,000 samples; alive: 100/s x 50 s + 200/s x 100 s + 100/s x 50 s = 30,000
+    assert fields["goodput"] == round(8000 / 30000, 3)
+    assert fields["kills"] == 1 and fields["incarnations"] == 3
+    assert fields["newcomer_seconds_each"] == [30.0] and fields["newcomer_startup_s"] == [20.0]
+    assert fields["churn_window_s"] == 100.0

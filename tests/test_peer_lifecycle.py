@@ -97,7 +97,7 @@ def test_sigterm_and_sigint_leave_cleanly(peers, tmp_path):
     assert seconds < 10, f"SIGTERM took {seconds:.1f}s\n" + second.output()[-5000:]
     assert not group_members(second.pgid), "the p2p daemon or an averager outlived the peer"
     assert "Received SIGTERM" in second.output()
-    assert read_summary(tmp_path, "pytest-signals", "second")["final_epoch"] >= 0
+    assert read_summary(tmp_path, "pytest-signals", "second")["complete"] is True  # written as it left
 
     # the survivor keeps training alone, then Ctrl-C stops it just as cleanly
     seen = len(first.lines)
@@ -118,6 +118,24 @@ def test_sigterm_and_sigint_leave_cleanly(peers, tmp_path):
     epochs, same = states_kept(gone, kept, 2e-4, before=signalled_at)
     averaged = [r["epoch"] for r in gone["rounds"] if r["outcome"] == "averaged" and r["epoch"] in epochs]
     assert averaged and set(averaged[-2:]) & set(same), (averaged, epochs, same, gone["checksums"], kept)
+
+
+def test_a_killed_peer_leaves_its_summary_up_to_its_last_global_epoch(peers, tmp_path):
+    """A volunteer's machine can vanish (a Colab session ends: SIGKILL to everything, no goodbye). The
+    summary is rewritten at every global epoch, whole, so what the peer did until then is still there."""
+    args = ["join", "--config", "demo", "--run-id", "pytest-killed", "--log-dir", str(tmp_path)]
+    args += ["--host-maddr", "/ip4/127.0.0.1/tcp/0", "--peer-name", "killed", "--max-epochs", "100000"]
+    args += ["--threads", "1"]
+    peer = PeerProcess("killed", [*args, "--log-every", "1", "--eval-every", "1000"], peers)
+    wait_until(lambda: peer.epoch() >= 3, timeout=120, interval=0.2)
+    assert peer.epoch() >= 3, peer.output()[-3000:]
+    seen = peer.epoch()
+    os.killpg(peer.pgid, signal.SIGKILL)
+    assert peer.wait_gone() == -signal.SIGKILL
+    summary = read_summary(tmp_path, "pytest-killed", "killed")
+    assert summary["complete"] is False
+    assert summary["final_epoch"] >= seen and summary["history"][-1]["epoch"] == summary["final_epoch"]
+    assert sum(h["samples"] for h in summary["history"]) >= seen * 256 * 0.9  # the demo's target per epoch
 
 
 def test_min_peers_holds_the_first_step_until_the_others_are_there(peers, tmp_path, monkeypatch):

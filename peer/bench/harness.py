@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -134,6 +135,45 @@ def summary(log_dir: Path, run: str, name: str) -> dict[str, Any]:
 STARTUP_S = 600.0
 
 
+@dataclass
+class Incarnation:
+    """One process of a churned peer's slot: its name, when it was launched and (if so) killed."""
+
+    slot: int  # 1..peers
+    name: str
+    launched: float  # time.time()
+    killed: float | None = None
+
+
+@dataclass
+class Churn:
+    """Peers replaced while a swarm trains, the way a Colab session ends: every ``every`` seconds (drawn from
+    the range) after training began, ``fraction`` of the peers, chosen at random, are killed (SIGKILL to
+    the whole process group: no goodbye, no summary at leaving) and a new one starts in the same slot (the
+    same namespace and CPU budget, a new name and seed). ``incarnations`` records every process."""
+
+    every: tuple[float, float] = (30.0, 60.0)
+    fraction: float = 0.2
+    seed: int = 0
+    incarnations: list[Incarnation] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        import random
+
+        self._rng = random.Random(self.seed)
+        self._next: float | None = None
+
+    def due(self, trained: float, peers: int) -> list[int]:
+        """The slots to replace now, ``trained`` seconds after training began (none before it is time)."""
+        if self._next is None:
+            self._next = self._rng.uniform(*self.every)
+        if trained < self._next:
+            return []
+        self._next += self._rng.uniform(*self.every)
+        count = max(1, round(peers * self.fraction))
+        return sorted(self._rng.sample(range(1, peers + 1), count))
+
+
 def swarm(
     bench: Bench,
     run: str,
@@ -144,6 +184,7 @@ def swarm(
     lab: Lab | None = None,
     budgets: CpuBudgets | None = None,
     seconds: float = 1800,
+    churn: Churn | None = None,
 ) -> list[dict[str, Any]]:
     """A bootstrap peer and ``peers`` training peers (``swarm-peer join`` with ``args``, and config fields
     from ``env`` as SWARM_<FIELD> variables); their summaries. Peer i shuffles with seed ``seed * 100 + i``.
@@ -152,7 +193,11 @@ def swarm(
 
     Starting through a bootstrap (a DHT node that does not train), with ``--min-peers``, means no trainer runs
     ahead alone while the others start. Peers still training ``seconds`` after the first of them began are
-    told to leave (SIGTERM: they write their summaries)."""
+    told to leave (SIGTERM: they write their summaries).
+
+    With ``churn``, peers are replaced while the swarm trains (:class:`Churn`); the summaries returned are
+    then those of every incarnation that wrote one (a peer writes its summary at every global epoch), in the
+    order of ``churn.incarnations``."""
     common = ["--config", "demo", "--run-id", run, "--log-dir", str(bench.work)]
 
     def place(i: int) -> tuple[list[str], list[str]]:  # (command prefix, listen address) of process i
@@ -162,69 +207,79 @@ def swarm(
         # the budget first: `ip netns exec` mounts a sysfs of its own, without the cgroup tree
         return [*budget, *lab.prefix(i)], ["--host-maddr", f"/ip4/{lab.address(i)}/tcp/0"]
 
+    def launch(i: int, name: str, peer_seed: int, min_peers: int) -> Peer:
+        prefix, listen = place(i)
+        flags = ["--peer-name", name, "--seed", str(peer_seed), "--threads", "1", "--eval-every", "100000",
+                 "--log-every", "10", "--min-peers", str(min_peers)]  # fmt: skip
+        cmd = ["join", *common, "--initial-peers", address, *flags, *listen, *args]
+        return Peer(f"{run}-{name}", cmd, bench.work, env, prefix)
+
     prefix, listen = place(0)
     boot = Peer(f"{run}-bootstrap", ["bootstrap", *common, *listen], bench.work, env, prefix)
     started = [boot]
+    slots: dict[int, Peer] = {}  # the live process of each slot
     try:
         address = boot.join_address(timeout=120)
-        for i in range(peers):
-            name = f"p{i + 1}"
-            prefix, listen = place(i + 1)
-            started.append(
-                Peer(
-                    f"{run}-{name}",
-                    [
-                        "join",
-                        *common,
-                        "--initial-peers",
-                        address,
-                        "--peer-name",
-                        name,
-                        "--seed",
-                        str(seed * 100 + i + 1),
-                        "--threads",
-                        "1",
-                        "--eval-every",
-                        "100000",
-                        "--log-every",
-                        "10",
-                        "--min-peers",
-                        str(peers),
-                        *listen,
-                        *args,
-                    ],
-                    bench.work,
-                    env,
-                    prefix,
-                )  # fmt: skip
-            )
+        for i in range(1, peers + 1):
+            slots[i] = launch(i, f"p{i}", seed * 100 + i, peers)
+            started.append(slots[i])
+            if churn is not None:
+                churn.incarnations.append(Incarnation(i, f"p{i}", time.time()))
         # ``seconds`` of training: from the first peer that says it starts (start-up under a small CPU
         # budget takes minutes), and at most STARTUP_S more from the launch
         launched, began = time.monotonic(), None
         # a lone peer (--min-peers 1) waits for nobody and says nothing of it: its first validation marks it
         marks = (STARTING,) if peers > 1 else (STARTING, "Validation at global epoch")
-        while any(p.proc.poll() is None for p in started[1:]):
+        while any(p.proc.poll() is None for p in slots.values()):
             now = time.monotonic()
             if began is None and any(m in line for p in started[1:] for line in list(p.lines) for m in marks):
                 began = now
             if now > (began if began is not None else launched + STARTUP_S) + seconds:
                 break
+            if churn is not None and began is not None:
+                for i in churn.due(now - began, peers):
+                    _kill(slots[i], churn)
+                    n = sum(c.slot == i for c in churn.incarnations)
+                    name = f"p{i}-{n + 1}"
+                    slots[i] = launch(i, name, seed * 100 + i + 10 * n, 1)  # a newcomer waits for nobody
+                    started.append(slots[i])
+                    churn.incarnations.append(Incarnation(i, name, time.time()))
             time.sleep(0.5)
-        for p in started[1:]:  # all at once: a peer told first would leave the others a round short
+        live = list(slots.values())
+        for p in live:  # all at once: a peer told first would leave the others a round short
             if p.proc.poll() is None:
                 p.proc.send_signal(signal.SIGTERM)
         # their exits waited for before stop(): its SIGTERM, a second one, would cut a peer's leaving short
         deadline = time.monotonic() + 60
-        for p in started[1:]:
+        for p in live:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        codes = [p.stop(grace=15) for p in started[1:]]
+        codes = [p.stop(grace=15) for p in live]
     finally:
         for p in started:
             p.stop()
-    if any(codes):
+    # a newcomer told to leave while it still started (imports, under a small CPU budget) dies of SIGTERM
+    failed = [code for code in codes if code and not (churn is not None and code == -signal.SIGTERM)]
+    if failed:
         raise RuntimeError(f"{run}: a peer failed (exit codes {codes}); logs in {bench.work}")
-    return [summary(bench.work, run, f"p{i + 1}") for i in range(peers)]
+    if churn is None:
+        return [summary(bench.work, run, f"p{i + 1}") for i in range(peers)]
+    found = []
+    for c in churn.incarnations:
+        with contextlib.suppress(FileNotFoundError):
+            found.append({**summary(bench.work, run, c.name), "incarnation": dataclasses.asdict(c)})
+    return found
+
+
+def _kill(p: Peer, churn: Churn) -> None:
+    """The machine under ``p`` is gone: SIGKILL its whole process group (trainer, DHT, p2p daemon,
+    averagers), no goodbye."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.proc.pid, signal.SIGKILL)
+    p.stop(grace=5)
+    for c in churn.incarnations:
+        if c.killed is None and p.name.endswith(f"-{c.name}"):
+            c.killed = time.time()
 
 
 def local(

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from peer.bench.harness import Bench, Options, Peer, fmt, peer_rate, swarm, table
+from peer.bench.harness import Bench, Churn, Options, Peer, fmt, peer_rate, swarm, table
 
 TARGET_ACC = 0.8
 SAMPLES = 120 * 256  # the demo's budget of samples for the swarm (and for the fastest lone peer)
@@ -42,6 +42,9 @@ ROUND_SECONDS = 5.0  # internet: an outer round per 5 s of the swarm's compute, 
 WAITED_ROUND_SECONDS = 10.0  # internet-waited: the settings before rounds ran in the background
 INTERNET_REPORT_EVERY = 1.0  # internet: one progress record per second (the default 0.25 s cost helper CPU)
 TIMED_ROUNDS = 12  # 2 minutes of the swarm's compute
+CHURN_ROUNDS = 40  # internet+churn: long enough for several replacements (SWARM_SECONDS bounds it)
+CHURN_EVERY = (30.0, 60.0)  # seconds between replacements
+CHURN_FRACTION = 0.2  # one peer in five each time
 STALL_S = 5.0
 SWARM_SECONDS = 300.0  # a mode that has not finished by then is stopped and measured on what it did
 
@@ -83,6 +86,13 @@ def modes(peers: int) -> dict[str, tuple[list[str], dict[str, str] | None]]:
             {"SWARM_WARMUP_EPOCHS": "1", "SWARM_SCHEDULE_EPOCHS": str(timed),
              "SWARM_REPORT_EVERY": str(INTERNET_REPORT_EVERY)},
         ),
+        "internet+churn": (  # internet, longer, with one peer in five replaced every 30-60 s
+            ["--averaging", "diloco", "--round-seconds", str(ROUND_SECONDS), "--overlap-rounds",
+             "--match-early", "--compression", "int8", "--target-batch-size", str(diloco),
+             "--average-state-every", "10", "--max-epochs", str(CHURN_ROUNDS), "--eval-every", "1"],
+            {"SWARM_WARMUP_EPOCHS": "1", "SWARM_SCHEDULE_EPOCHS": str(CHURN_ROUNDS),
+             "SWARM_REPORT_EVERY": str(INTERNET_REPORT_EVERY)},
+        ),
         "internet-waited": (  # its rounds waited for (no --overlap-rounds, --match-early) and twice as long
             ["--averaging", "diloco", "--round-seconds", str(WAITED_ROUND_SECONDS), "--compression", "int8",
              "--target-batch-size", str(diloco), "--average-state-every", "10", "--max-epochs", str(timed),
@@ -98,6 +108,7 @@ MODE_NAMES = {
     "diloco+int8": f"DiLoCo H={DILOCO_H}, int8",
     "internet": f"internet: DiLoCo {ROUND_SECONDS:g} s rounds matched early, in the background, int8",
     "internet-waited": f"DiLoCo {WAITED_ROUND_SECONDS:g} s rounds waited for, int8",
+    "internet+churn": "internet, one peer in five replaced every 30-60 s",
 }
 
 
@@ -161,8 +172,11 @@ def run(
             args, env = all_modes[mode]
             run_id = f"bench-volunteers-{mode.replace('+', '-')}-{stamp}"
             args = ["--batch-size", str(BATCH), *args]
-            sums = swarm(bench, run_id, n, args, env, lab=lab, budgets=budgets, seconds=seconds)
+            churn = Churn(CHURN_EVERY, CHURN_FRACTION, seed=stamp) if mode.endswith("+churn") else None
+            sums = swarm(bench, run_id, n, args, env, lab=lab, budgets=budgets, seconds=seconds, churn=churn)
             row = _row(mode, sums, quotas, rates, lone_time, rtt, up, one_way)
+            if churn is not None:
+                row.update(churn_fields(sums, churn, rates), peers=n)
             bench.record(row)
             print(line(row), flush=True)
     finally:
@@ -290,6 +304,42 @@ def _row(
     }
 
 
+def churn_fields(sums: list[dict[str, Any]], churn: Churn, lone_rates: list[float]) -> dict[str, Any]:
+    """What churn cost: ``goodput``, the samples that reached a global epoch (each incarnation's windows
+    that ended in one; what a killed peer computed after its last epoch is lost) over what the live peers
+    would have computed alone in the same time (each incarnation's lone rate over the seconds it was alive,
+    start-up included for a newcomer); and each newcomer's ``newcomer_seconds`` from its launch to its first
+    averaged round (None: killed or stopped before one), ``startup`` to its first step."""
+    began = min(s["started_at"] for s in sums if s.get("started_at") and "-" not in s["incarnation"]["name"])
+    end = max(h["time"] for s in sums for h in s["history"])
+    useful = sum(h["samples"] for s in sums for h in s["history"] if began <= h["time"] <= end)
+    alive = 0.0
+    for c in churn.incarnations:
+        since = began if "-" not in c.name else max(c.launched, began)
+        alive += lone_rates[c.slot - 1] * max(0.0, min(c.killed or end, end) - since)
+    by_name = {s["incarnation"]["name"]: s for s in sums}
+    joined, startup = [], []
+    for c in churn.incarnations:
+        if "-" not in c.name:
+            continue
+        s = by_name.get(c.name, {})
+        history = s.get("history", [])
+        averaged = [h["time"] for h in history if (h.get("round") or {}).get("outcome") == "averaged"]
+        first = averaged[0] if averaged else None
+        joined.append(None if first is None else round(first - c.launched, 1))
+        startup.append(None if not s.get("started_at") else round(s["started_at"] - c.launched, 1))
+    done = sorted(t for t in joined if t is not None)
+    return {
+        "goodput": round(useful / max(alive, 1e-9), 3),
+        "kills": sum(c.killed is not None for c in churn.incarnations),
+        "incarnations": len(churn.incarnations),
+        "newcomer_seconds": done[len(done) // 2] if done else None,
+        "newcomer_seconds_each": joined,
+        "newcomer_startup_s": startup,
+        "churn_window_s": round(end - began, 1),
+    }
+
+
 def line(r: dict[str, Any]) -> str:
     return (
         f"volunteers {r['mode']:>11}: utilisation {r['utilisation']:.2f} ({r['samples_per_second']:.0f} "
@@ -298,6 +348,13 @@ def line(r: dict[str, Any]) -> str:
         f"{fmt(r['speedup'], 2)} of goal {r['speedup_goal']}); {r['bytes_per_sample']:.0f} B/sample, "
         f"{r['stalled_rounds']} of {r['rounds']} round ends over {STALL_S:g} s, helpers up to "
         f"{fmt(r['helper_cpu_share'], 2)} of a peer's CPU"
+        + (
+            f"; churn: {r['kills']} peers killed and replaced, goodput {r['goodput']:.2f}, newcomers in "
+            f"their first averaged round after {r['newcomer_seconds_each']} s (start-up "
+            f"{r['newcomer_startup_s']} s)"
+            if "goodput" in r
+            else ""
+        )
     )
 
 

@@ -292,4 +292,4 @@ def test_churn_replaces_one_peer_in_five_every_30_to_60_s_and_counts_what_reache
     assert fields["goodput"] == round(8000 / 30000, 3)
     assert fields["kills"] == 1 and fields["incarnations"] == 3
     assert fields["newcomer_seconds_each"] == [30.0] and fields["newcomer_startup_s"] == [20.0]
-    assert fields["churn_window_s"] == 100.0
+    assert fields["churn_window_s"] == 100.0 and fields["samples_per_second"] == 80.0

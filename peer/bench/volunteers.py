@@ -176,7 +176,8 @@ def run(
             sums = swarm(bench, run_id, n, args, env, lab=lab, budgets=budgets, seconds=seconds, churn=churn)
             row = _row(mode, sums, quotas, rates, lone_time, rtt, up, one_way)
             if churn is not None:
-                row.update(churn_fields(sums, churn, rates), peers=n)
+                # the incarnations' rates overlap in time: goodput replaces utilisation
+                row.update(churn_fields(sums, churn, rates), peers=n, utilisation=None)
             bench.record(row)
             print(line(row), flush=True)
     finally:
@@ -331,6 +332,7 @@ def churn_fields(sums: list[dict[str, Any]], churn: Churn, lone_rates: list[floa
     done = sorted(t for t in joined if t is not None)
     return {
         "goodput": round(useful / max(alive, 1e-9), 3),
+        "samples_per_second": round(useful / max(end - began, 1e-9), 1),  # what reached a global epoch
         "kills": sum(c.killed is not None for c in churn.incarnations),
         "incarnations": len(churn.incarnations),
         "newcomer_seconds": done[len(done) // 2] if done else None,
@@ -342,7 +344,7 @@ def churn_fields(sums: list[dict[str, Any]], churn: Churn, lone_rates: list[floa
 
 def line(r: dict[str, Any]) -> str:
     return (
-        f"volunteers {r['mode']:>11}: utilisation {r['utilisation']:.2f} ({r['samples_per_second']:.0f} "
+        f"volunteers {r['mode']:>11}: utilisation {fmt(r['utilisation'], 2)} ({r['samples_per_second']:.0f} "
         f"samples/s of {sum(r['lone_samples_per_second']):.0f}); val acc {TARGET_ACC} after "
         f"{fmt(r['time_to_target_s'], 1)} s (fastest alone {fmt(r['lone_time_to_target_s'], 1)} s, speedup "
         f"{fmt(r['speedup'], 2)} of goal {r['speedup_goal']}); {r['bytes_per_sample']:.0f} B/sample, "
@@ -372,7 +374,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
             f"{min(r['quotas']):g}-{max(r['quotas']):g}",
             f"{r['mbit']:g}/{r['mbit_down']:g} Mbit/s",
             f"{r['rtt_ms']:.0f}",
-            f"{r['utilisation']:.2f}",
+            fmt(r["utilisation"], 2) if r.get("goodput") is None else f"goodput {r['goodput']:.2f}",
             fmt(r["time_to_target_s"], 1),
             fmt(r["lone_time_to_target_s"], 1),
             f"{fmt(r['speedup'], 2)} ({r['speedup_goal']})",

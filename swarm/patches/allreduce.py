@@ -16,7 +16,8 @@ while the one that never learnt of it looks for the next gradient group: each wa
 different averager (item 11).
 
 **What this changes.** :class:`PacksParts` averages one buffer per dtype and role. The patch answers a part
-of an unknown group with ``BAD_GROUP_ID`` after ``request_timeout`` (a part of the group this averager
+of an unknown group with ``BAD_GROUP_ID`` after ``request_timeout`` of its own running time (a stall of the
+averager's process does not count; a part of the group this averager
 assembled and whose trigger it awaits, in a pre-scheduled round, waits as in hivemind), drops a groupmate
 whose reducer failed before it sent anything, and names those that answered ``BAD_GROUP_ID`` (strangers) in
 the round's result, a :class:`Gathered` (:class:`NamesStrangers`), so that the optimizer can meet them in the
@@ -38,6 +39,7 @@ _ASSEMBLED = "_swarm_assembled"  # attribute of an averager's Matchmaking: the g
 NOTED_EVERY = (
     0.02  # seconds between two looks, while a part of an unknown group waits, at what matchmaking noted
 )
+AWAKE_AT_MOST = 2 * NOTED_EVERY  # of one look's wall time, what counts toward request_timeout
 
 
 class Gathered(dict):
@@ -129,14 +131,17 @@ def _targets() -> list[tuple[Any, str, Any]]:
         # averager has assembled and whose trigger it awaits (a pre-scheduled round, averager.py _step) is
         # known, and registers once triggered: that one is waited for as hivemind does. A part can come a
         # little before this averager's matchmaking has noted the group (a groupmate began at once): known
-        # is asked again until request_timeout has passed
+        # is asked again until this process has run for request_timeout: a stall of its own (a starved
+        # volunteer's CPU) does not count, or a groupmate's part that came just before it would be refused
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._matchmaking.request_timeout
+        limit, waited, last = self._matchmaking.request_timeout, 0.0, loop.time()
         while request.group_id not in self._running_groups:
             if request.group_id == getattr(self._matchmaking, _ASSEMBLED, None):
                 await self._pending_groups_registered.wait()
                 break
-            left = deadline - loop.time()
+            now = loop.time()
+            waited, last = waited + min(now - last, AWAKE_AT_MOST), now
+            left = limit - waited
             if left <= 0:
                 break
             try:

@@ -220,3 +220,61 @@ def test_a_groupmate_that_awaits_its_trigger_is_not_taken_for_a_stranger(nodes, 
         finally:
             for averager in group:
                 averager.shutdown()
+
+
+def test_a_reducer_starved_between_its_group_and_its_all_reduce_still_averages(nodes, monkeypatch):
+    """Item 8's bound on the wait for an unknown group counts the reducer's own running time, not the wall
+    clock. A groupmate's part can arrive just before this averager's matchmaking has noted the group it is
+    in; if this averager's process is then starved (a volunteer's small CPU budget, a machine busy starting
+    up) for longer than ``request_timeout``, the wall-clock bound ran out meanwhile, and the next look, a
+    moment before matchmaking got its turn, answered ``BAD_GROUP_ID``: the groupmate's part was dropped and
+    the round ended on half the numbers ("Reducer: received 50.0% of input tensors"). Here the first averager
+    to end its matchmaking (in the averager processes, at hivemind's ``cancel_and_wait`` in
+    ``look_for_group``'s ``finally``) waits 0.3 s, while its groupmate's parts arrive, then blocks its event
+    loop for 3 x ``request_timeout``, then takes 0.2 s more before it notes the group."""
+    import asyncio
+
+    from hivemind.averaging import matchmaking
+
+    request_timeout = 1.0
+    armed = mp.get_context("fork").Value("i", 0)
+    original = matchmaking.cancel_and_wait
+
+    async def starved_once(task):
+        with armed.get_lock():
+            starve = armed.value == 1
+            armed.value = 2 if starve else armed.value
+        if starve:
+            await asyncio.sleep(0.3)  # the groupmate's parts come, and wait for the group
+            time.sleep(3 * request_timeout)  # the process gets no CPU
+            await asyncio.sleep(0.2)  # then a few turns more before matchmaking notes the group
+        return await original(task)
+
+    monkeypatch.setattr(matchmaking, "cancel_and_wait", starved_once)  # forked into the averager processes
+    with hivemind_as(True, *ALL_BUT_ROBUST):
+        pair = [
+            DecentralizedAverager(
+                [torch.full((300_000,), value)],
+                dht=node,
+                prefix="pytest-rounds-starved-reducer",
+                target_group_size=2,
+                min_matchmaking_time=2.0,
+                request_timeout=request_timeout,
+                allreduce_timeout=MATCHMAKING,
+                next_chunk_timeout=MATCHMAKING - 10,
+                start=True,
+            )
+            for value, node in zip((0.0, 1.0), nodes(2), strict=True)
+        ]
+    try:
+        armed.value = 1
+        controls = [averager.step(wait=False, timeout=MATCHMAKING) for averager in pair]
+        results = [control.result(timeout=MATCHMAKING + 15) for control in controls]
+        assert armed.value == 2, "no averager was starved"
+        assert all(len(r) == 2 and not getattr(r, "strangers", ()) for r in results), results
+        for averager in pair:
+            with averager.get_tensors() as (got,):
+                torch.testing.assert_close(got, torch.full((300_000,), 0.5))
+    finally:
+        for averager in pair:
+            averager.shutdown()

@@ -21,6 +21,10 @@ rounds per sample computed), ``stalled_rounds`` (round ends over 5 s, all peers:
 with ``--overlap-rounds`` the rounds' own lengths are ``background_rounds_over_5s``), ``helper_cpu_share``
 (the largest share of a peer's CPU seconds that its helpers used) and the RTT the lab measured between the
 two peers furthest apart. The arithmetic behind the default link is in docs/benchmarks.md ("Volunteers").
+
+``internet+churn`` runs the internet mode longer while the harness kills 2 of 8 peers at random every 30-60 s
+and starts new ones in their places (peer/bench/harness.py ``Churn``); its line has ``goodput`` instead of
+``utilisation`` (:func:`churn_fields`), and each newcomer's time from launch to its first averaged round.
 """
 
 from __future__ import annotations

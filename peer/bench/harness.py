@@ -144,6 +144,11 @@ class Incarnation:
     launched: float  # time.time()
     killed: float | None = None
 
+    @property
+    def newcomer(self) -> bool:
+        """Started in place of a killed one (named ``p<slot>-<n>``), not with the swarm."""
+        return self.name != f"p{self.slot}"
+
 
 @dataclass
 class Churn:
@@ -218,13 +223,15 @@ def swarm(
     boot = Peer(f"{run}-bootstrap", ["bootstrap", *common, *listen], bench.work, env, prefix)
     started = [boot]
     slots: dict[int, Peer] = {}  # the live process of each slot
+    lives: dict[int, Incarnation] = {}  # and what churn records of it
     try:
         address = boot.join_address(timeout=120)
         for i in range(1, peers + 1):
             slots[i] = launch(i, f"p{i}", seed * 100 + i, peers)
             started.append(slots[i])
             if churn is not None:
-                churn.incarnations.append(Incarnation(i, f"p{i}", time.time()))
+                lives[i] = Incarnation(i, f"p{i}", time.time())
+                churn.incarnations.append(lives[i])
         # ``seconds`` of training: from the first peer that says it starts (start-up under a small CPU
         # budget takes minutes), and at most STARTUP_S more from the launch
         launched, began = time.monotonic(), None
@@ -238,12 +245,14 @@ def swarm(
                 break
             if churn is not None and began is not None:
                 for i in churn.due(now - began, peers):
-                    _kill(slots[i], churn)
+                    _kill(slots[i])
+                    lives[i].killed = time.time()
                     n = sum(c.slot == i for c in churn.incarnations)
                     name = f"p{i}-{n + 1}"
                     slots[i] = launch(i, name, seed * 100 + i + 10 * n, 1)  # a newcomer waits for nobody
                     started.append(slots[i])
-                    churn.incarnations.append(Incarnation(i, name, time.time()))
+                    lives[i] = Incarnation(i, name, time.time())
+                    churn.incarnations.append(lives[i])
             time.sleep(0.5)
         live = list(slots.values())
         for p in live:  # all at once: a peer told first would leave the others a round short
@@ -271,15 +280,12 @@ def swarm(
     return found
 
 
-def _kill(p: Peer, churn: Churn) -> None:
+def _kill(p: Peer) -> None:
     """The machine under ``p`` is gone: SIGKILL its whole process group (trainer, DHT, p2p daemon,
     averagers), no goodbye."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(p.proc.pid, signal.SIGKILL)
     p.stop(grace=5)
-    for c in churn.incarnations:
-        if c.killed is None and p.name.endswith(f"-{c.name}"):
-            c.killed = time.time()
 
 
 def local(

@@ -71,6 +71,17 @@ def modes(peers: int) -> dict[str, tuple[list[str], dict[str, str] | None]]:
     diloco = peers * DILOCO_H * BATCH
     rounds = max(2, SAMPLES // diloco)
     timed = TIMED_ROUNDS
+
+    def internet(epochs: int) -> tuple[list[str], dict[str, str]]:
+        """configs/internet.yaml's swarm settings, its round time scaled to the demo's model."""
+        return (
+            ["--averaging", "diloco", "--round-seconds", str(ROUND_SECONDS), "--overlap-rounds",
+             "--match-early", "--compression", "int8", "--target-batch-size", str(diloco),
+             "--average-state-every", "10", "--max-epochs", str(epochs), "--eval-every", "1"],
+            {"SWARM_WARMUP_EPOCHS": "1", "SWARM_SCHEDULE_EPOCHS": str(epochs),
+             "SWARM_REPORT_EVERY": str(INTERNET_REPORT_EVERY)},
+        )  # fmt: skip
+
     return {
         "grad+int8": (
             ["--compression", "int8", "--target-batch-size", str(grad), "--average-state-every", "10",
@@ -83,20 +94,8 @@ def modes(peers: int) -> dict[str, tuple[list[str], dict[str, str] | None]]:
              "--eval-every", str(max(1, 2048 // diloco))],
             {"SWARM_WARMUP_EPOCHS": "1", "SWARM_SCHEDULE_EPOCHS": str(rounds)},
         ),
-        "internet": (  # configs/internet.yaml's swarm settings, its round time scaled to the demo's model
-            ["--averaging", "diloco", "--round-seconds", str(ROUND_SECONDS), "--overlap-rounds",
-             "--match-early", "--compression", "int8", "--target-batch-size", str(diloco),
-             "--average-state-every", "10", "--max-epochs", str(timed), "--eval-every", "1"],
-            {"SWARM_WARMUP_EPOCHS": "1", "SWARM_SCHEDULE_EPOCHS": str(timed),
-             "SWARM_REPORT_EVERY": str(INTERNET_REPORT_EVERY)},
-        ),
-        "internet+churn": (  # internet, longer, with one peer in five replaced every 30-60 s
-            ["--averaging", "diloco", "--round-seconds", str(ROUND_SECONDS), "--overlap-rounds",
-             "--match-early", "--compression", "int8", "--target-batch-size", str(diloco),
-             "--average-state-every", "10", "--max-epochs", str(CHURN_ROUNDS), "--eval-every", "1"],
-            {"SWARM_WARMUP_EPOCHS": "1", "SWARM_SCHEDULE_EPOCHS": str(CHURN_ROUNDS),
-             "SWARM_REPORT_EVERY": str(INTERNET_REPORT_EVERY)},
-        ),
+        "internet": internet(timed),
+        "internet+churn": internet(CHURN_ROUNDS),  # longer, with one peer in five replaced every 30-60 s
         "internet-waited": (  # its rounds waited for (no --overlap-rounds, --match-early) and twice as long
             ["--averaging", "diloco", "--round-seconds", str(WAITED_ROUND_SECONDS), "--compression", "int8",
              "--target-batch-size", str(diloco), "--average-state-every", "10", "--max-epochs", str(timed),
@@ -315,17 +314,18 @@ def churn_fields(sums: list[dict[str, Any]], churn: Churn, lone_rates: list[floa
     would have computed alone in the same time (each incarnation's lone rate over the seconds it was alive,
     start-up included for a newcomer); and each newcomer's ``newcomer_seconds`` from its launch to its first
     averaged round (None: killed or stopped before one), ``startup`` to its first step."""
-    began = min(s["started_at"] for s in sums if s.get("started_at") and "-" not in s["incarnation"]["name"])
+    by_name = {s["incarnation"]["name"]: s for s in sums}
+    first = [by_name[c.name] for c in churn.incarnations if not c.newcomer and c.name in by_name]
+    began = min(s["started_at"] for s in first if s.get("started_at"))
     end = max(h["time"] for s in sums for h in s["history"])
     useful = sum(h["samples"] for s in sums for h in s["history"] if began <= h["time"] <= end)
     alive = 0.0
     for c in churn.incarnations:
-        since = began if "-" not in c.name else max(c.launched, began)
+        since = max(c.launched, began) if c.newcomer else began
         alive += lone_rates[c.slot - 1] * max(0.0, min(c.killed or end, end) - since)
-    by_name = {s["incarnation"]["name"]: s for s in sums}
     joined, startup = [], []
     for c in churn.incarnations:
-        if "-" not in c.name:
+        if not c.newcomer:
             continue
         s = by_name.get(c.name, {})
         history = s.get("history", [])

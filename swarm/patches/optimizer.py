@@ -24,6 +24,8 @@ methods of one running optimizer, and :func:`wire` applies them in the order the
 - item 16, :func:`skip_state_rounds_in_agreement`: a state round whose group already holds one state is
   skipped (decided from summaries sent with the gradient round's all-gather).
 - item 17, :func:`number_steps_by_epoch`: AdamW's step counters follow the global epoch.
+- item 24, :func:`decide_downloads_after_refusals`: a donor whose state this peer refused still set the
+  swarm's epoch in the tracker's reads, and the peer downloaded at every step.
 
 hivemind 1.1.12 also never takes ``client_mode`` from the DHT (optimizer.py:205 tests ``is None`` the wrong
 way round): pass it explicitly, as swarm/averaging/strategy.py does.
@@ -123,6 +125,8 @@ def wire(opt: Any, wiring: Wiring) -> Wired:
         screen_rounds(opt, wiring.screen, wiring.on_rejected, wiring.own_scale)  # item 7
     opt.state_averager.check_download = wiring.check_download  # item 23
     opt.state_averager.on_refused = wiring.on_refused
+    if wiring.check_download is not None:  # item 24: a refused donor's epoch keeps nobody downloading
+        decide_downloads_after_refusals(opt)
     # wrappers of the same methods run outermost-last: the clock times the state round that the two below
     # may skip (a skipped round is then not timed as one), and its update hooks come before the lock's
     if wiring.instrument is not None:
@@ -208,6 +212,35 @@ def download_the_epoch_it_names(opt: Any, attempts: int = 3, pause: float = 0.5)
         return result
 
     opt.load_state_from_peers = load_state_from_peers
+
+
+def decide_downloads_after_refusals(opt: Any) -> None:
+    """Item 24, on one ``hivemind.Optimizer`` with the swarm's state averager (its ``refused_donors`` and
+    ``last_refusal``): the tracker's reads count a refused donor's epoch as no more than this peer's own
+    (swarm/patches/progress.py ``discount_refused``), and hivemind's decision to download
+    (``_should_load_state_from_peers``, optimizer.py:655-673) is taken only from a read made after the last
+    refusal; before it, the step reads the swarm's progress again and does not download. Without it, a peer
+    that refused the only donor ahead of it (an honest one that ran ahead while the others were downloading,
+    or one that claims a future epoch) found itself behind again at its next step, downloaded from the
+    donors at its own epoch, and again: in a 4-peer swarm on 127.0.0.1, three peers did so for two minutes
+    while the fourth stepped alone."""
+    averager = opt.state_averager
+
+    def refused(peer: str) -> bool:
+        return averager.refused_donors.get(peer, -math.inf) > time.monotonic()
+
+    reads = progress.discount_refused(opt.tracker, refused)
+    should_load = opt._should_load_state_from_peers
+
+    def should_load_from_a_read_after_the_refusals() -> bool:
+        if not should_load():
+            return False
+        if averager.last_refusal == -math.inf or reads.at > averager.last_refusal:  # none, or read since
+            return True
+        progress.read_within(opt.tracker, 0.0)  # the next step decides from the new read
+        return False
+
+    opt._should_load_state_from_peers = should_load_from_a_read_after_the_refusals
 
 
 def _skip_state_rounds_after(opt: Any, note: Any, on_skip: Any, before: Any = lambda: None) -> None:

@@ -25,7 +25,8 @@ otherwise at most one record per interval. :func:`read_soon_while_speeds_unknown
 ``min_refresh_period`` ahead when no speed (or no record) is known. :func:`expect_the_swarm` sets a new
 epoch's estimate from the summed speed of the last read. :func:`read_within` and :func:`meet_peers` bring a
 read forward for a peer that waits (DiLoCo after its inner steps; ``--min-peers`` before the first step).
-:func:`leave_out_banned` reads the swarm without the peers that this peer banned. :func:`pace_by_time`
+:func:`leave_out_banned` reads the swarm without the peers that this peer banned; :func:`discount_refused`
+(item 24) counts a refused donor's epoch as no more than this peer's own. :func:`pace_by_time`
 (item 22) makes the target batch what the swarm computes in a given time, at the speeds of its records.
 
 These wrap methods of one running ``ProgressTracker``; nothing here is process-wide. The tracker keeps what
@@ -141,6 +142,48 @@ def leave_out_banned(tracker: Any, banned: Any) -> None:
         return parse(metadata)
 
     tracker._parse_swarm_progress_data = parsed
+
+
+@dataclass
+class Reads:
+    """When a tracker wrapped by :func:`discount_refused` last read the swarm's progress (time.monotonic)."""
+
+    at: float = -math.inf
+
+
+def discount_refused(tracker: Any, refused: Any) -> Reads:
+    """Item 24, on one running ``ProgressTracker``: the record of a peer for which ``refused(peer_id_text)``
+    is true (a donor whose state this peer refused, swarm/averaging/donors.py) still counts as a peer with its
+    speed, but an epoch of it ahead of this peer's own counts as this peer's epoch, with none of its samples.
+    hivemind takes the swarm's epoch from the largest epoch of any record (progress_tracker.py:300-303) and
+    downloads whenever this peer is behind it (optimizer.py:655-673): a refused donor ahead of every other
+    peer, honest or not, kept this peer downloading at every step. Returns when the reads happened, for
+    :func:`swarm.patches.optimizer.decide_downloads_after_refusals`."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils import ValueWithExpiration
+
+    parse, reads = tracker._parse_swarm_progress_data, Reads()
+
+    def discounted(entry: Any) -> Any:
+        try:
+            value = entry.value
+            if value["epoch"] <= tracker.local_progress.epoch:
+                return entry
+            if not refused(PeerID(value["peer_id"]).to_base58()):
+                return entry
+        except Exception:  # hivemind's own parsing judges a malformed record
+            return entry
+        value = {**value, "epoch": tracker.local_progress.epoch, "samples_accumulated": 0}
+        return ValueWithExpiration(value, entry.expiration_time)
+
+    def parsed(metadata: Any) -> Any:
+        if isinstance(metadata, dict):
+            metadata = {key: discounted(entry) for key, entry in metadata.items()}
+        reads.at = time.monotonic()
+        return parse(metadata)
+
+    tracker._parse_swarm_progress_data = parsed
+    return reads
 
 
 def pace_by_time(tracker: Any, seconds: float) -> None:

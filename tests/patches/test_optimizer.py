@@ -565,3 +565,58 @@ def test_a_download_one_epoch_behind_the_swarm_keeps_the_epoch_number_of_its_sta
         if opt is not None:
             opt.shutdown()
         donor.shutdown()
+
+
+@PLAIN_OR_PATCHED
+def test_a_peer_that_refused_the_only_donor_ahead_trains_on_instead_of_downloading_at_every_step(
+    dhts, patched, monkeypatch
+):
+    """Item 24. Donor D declares and reports epoch 50 while the only other peer whose records A reads is at
+    epoch 0: A's download check (item 23) refuses D's state as ahead of every other peer's. Without item 24,
+    A's tracker still puts the swarm at D's epoch, so every step of A finds it behind and calls for a
+    download (with D refused, there is no donor left) and returns before accumulating anything: A never
+    leaves epoch 0. With decide_downloads_after_refusals, A downloads once, reads the swarm again, counts D at
+    its own epoch, and trains on: its round with nobody fails and it steps on its own gradient to epoch 1."""
+    from swarm.averaging import donors
+    from tests.patches.test_state_averager import _publish_sketch
+
+    monkeypatch.setattr(donors, "WAIT_FOR_SKETCHES", 0.5)
+    node_d, node_a = dhts(2)
+    run = f"pytest-rounds-refused-ahead-{patched}"
+    torch.manual_seed(0)
+    donor_net = torch.nn.Linear(4, 3)
+    (donor,) = _state_averagers([node_d], [donor_net], f"{run}_state_averager")
+    donor.local_epoch = donor.state_sharing_priority = 50
+    ahead = ProgressTracker(node_d, run, target_batch_size=8, private_key=RSAPrivateKey(), start=True)
+    try:
+        ahead.report_local_progress(50, 1)
+        _publish_sketch(node_a, run, "other", "other-peer", 0, [torch.ones(3)])
+        with _lone_optimizer(node_a, run) as opt:
+            refusals: list = []
+            opt.state_averager.check_download = donors.DonorCheck(node_a, run, node_a.peer_id.to_base58())
+            opt.state_averager.on_refused = lambda donor, reason: refusals.append(reason)
+            if patched:
+                wiring.decide_downloads_after_refusals(opt)
+            download, downloads = opt.load_state_from_peers, []
+            opt.load_state_from_peers = lambda **kwargs: downloads.append(1) or download(**kwargs)
+            assert wait_until(lambda: opt.tracker.global_epoch == 50, timeout=20), opt.tracker.global_progress
+
+            net = opt.state_averager.main_parameters
+            deadline = time.monotonic() + (30.0 if patched else 10.0)
+            steps = 0
+            while time.monotonic() < deadline and opt.local_epoch == 0:
+                for p in net:
+                    p.grad = torch.ones_like(p)
+                opt.step()
+                steps += 1
+                time.sleep(0.05)
+            assert refusals and "ahead of every other peer's" in refusals[0], refusals
+            if patched:
+                assert opt.local_epoch == 1, (opt.local_epoch, opt.tracker.global_progress)
+                assert len(downloads) == 1, (len(downloads), steps)
+            else:
+                assert opt.local_epoch == 0 and opt.tracker.global_epoch == 50
+                assert len(downloads) >= steps // 2 and steps >= 20, (len(downloads), steps)
+    finally:
+        ahead.shutdown()
+        donor.shutdown()

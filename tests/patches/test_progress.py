@@ -302,6 +302,38 @@ def test_a_banned_peer_is_left_out_of_the_swarms_progress(dhts, patched):
 
 
 @PLAIN_OR_PATCHED
+def test_a_refused_donors_epoch_ahead_counts_as_this_peers_own(dhts, patched):
+    """discount_refused (item 24). B is at epoch 50 with 7 samples, A at epoch 3 with 5. On plain hivemind A's
+    reads put the swarm at B's epoch 50 (A is behind and downloads). With B refused as a donor by A, A's reads
+    count B as a peer (two peers) at A's own epoch, none of its samples; once B's refusal has ended, B's epoch
+    counts again."""
+    refused = {"until": float("inf")}
+    with _two_trackers(dhts, f"pytest-rounds-refused-{patched}", 10**6, patched) as (a, b):
+        if patched:
+            b_id = b.dht.peer_id.to_base58()
+
+            def is_refused(peer: str) -> bool:
+                return peer == b_id and refused["until"] > time.monotonic()
+
+            reads = progress.discount_refused(a, is_refused)
+        a.report_local_progress(3, 5)
+        b.report_local_progress(50, 7)
+
+        def read() -> tuple[int, int, int]:
+            a.global_progress.next_fetch_time = get_dht_time()
+            a.global_state_updated.set()
+            found = a.global_progress
+            return found.epoch, found.num_peers, found.samples_accumulated
+
+        expected = (3, 2, 5) if patched else (50, 2, 7)
+        assert wait_until(lambda: read() == expected, timeout=20, interval=0.25), read()
+        if patched:
+            assert reads.at > time.monotonic() - 5
+            refused["until"] = time.monotonic()
+            assert wait_until(lambda: read() == (50, 2, 7), timeout=20, interval=0.25), read()
+
+
+@PLAIN_OR_PATCHED
 def test_the_target_follows_the_swarms_speed_when_paced_by_time(dhts, patched):
     """pace_by_time (item 22). A (30 samples/s) and B (50) have a target of 10**6 samples: on plain hivemind
     A's reads keep it, and expect it in 10**6 / 80 s. Paced to 5 s, A's reads make the target 5 x 80 = 400

@@ -71,6 +71,9 @@ WAIT_FOR_SKETCHES = 5.0  # seconds to wait, after a download, for the other peer
 # that stepped alone while a swarm started were 0.048 apart at one epoch; random numbers of the right norm, or
 # signs flipped, are 1 or more away
 NEAR = 0.1
+# the reason of a refusal for an epoch that no other peer has reached: not evidence of a bad donor (an honest
+# peer ahead of the others while a swarm starts is refused too), so it is told as news, not as a warning
+AHEAD = "is ahead of every other peer's"
 
 
 class DonorCheck:
@@ -163,7 +166,7 @@ class DonorCheck:
             if top is not None and top < epoch:
                 self.refused += 1
                 ahead = f"the newest of {len(newest)}: {top}"
-                return f"its global epoch {epoch} is ahead of every other peer's ({ahead})"
+                return f"its global epoch {epoch} {AHEAD} ({ahead})"
             if top is not None and epoch < top - SKETCHES_KEPT:
                 self.refused += 1
                 return (

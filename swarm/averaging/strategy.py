@@ -38,7 +38,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from swarm import patches
 from swarm.averaging.diloco import DiLoCo
-from swarm.averaging.donors import DonorCheck
+from swarm.averaging.donors import AHEAD, DonorCheck
 from swarm.averaging.guard import StateGuard, SwarmWedgedError, all_finite
 from swarm.averaging.rounds import RoundClock
 from swarm.averaging.screen import RoundScreen
@@ -552,9 +552,12 @@ class HivemindStrategy(SingleDeviceStrategy):
 
     def _on_refused_download(self, donor: str, reason: str) -> None:
         """A downloaded state was refused (docs/hivemind-patches.md item 23): say so; the next donor is
-        asked."""
+        asked. A state whose epoch no other peer has reached cannot be checked yet (an honest peer ahead of
+        the others while a swarm starts, or a donor that claims a future epoch): said as news, since nothing
+        is wrong with this peer; a state that other peers contradict is a warning."""
         self.refused_downloads += 1
-        log.warning(
+        log.log(
+            logging.INFO if AHEAD in reason else logging.WARNING,
             "Refused the state downloaded from peer %s: %s. This peer keeps its own state, asks the next "
             "donor, and does not ask that one again for %.0f s",
             donor,

@@ -45,7 +45,7 @@ import torch
 
 from swarm.patches import progress, robust
 from swarm.patches.grad_averager import KeepsLocalGradients
-from swarm.patches.state_averager import lock_updates
+from swarm.patches.state_averager import REFUSE_FOR, lock_updates
 
 log = logging.getLogger(__name__)
 AGREEMENT_RTOL = 1e-6  # item 16: figures this close count as one state (all-reduce rounding is ~1e-7)
@@ -215,15 +215,15 @@ def download_the_epoch_it_names(opt: Any, attempts: int = 3, pause: float = 0.5)
 
 
 def decide_downloads_after_refusals(opt: Any) -> None:
-    """Item 24, on one ``hivemind.Optimizer`` with the swarm's state averager (its ``refused_donors`` and
-    ``last_refusal``): the tracker's reads count a refused donor's epoch as no more than this peer's own
-    (swarm/patches/progress.py ``discount_refused``), and hivemind's decision to download
-    (``_should_load_state_from_peers``, optimizer.py:655-673) is taken only from a read made after the last
-    refusal; before it, the step reads the swarm's progress again and does not download. Without it, a peer
-    that refused the only donor ahead of it (an honest one that ran ahead while the others were downloading,
-    or one that claims a future epoch) found itself behind again at its next step, downloaded from the
-    donors at its own epoch, and again: in a 4-peer swarm on 127.0.0.1, three peers did so for two minutes
-    while the fourth stepped alone."""
+    """Item 24, on one ``hivemind.Optimizer`` with the swarm's state averager (its ``refused_donors``, each
+    refused until ``REFUSE_FOR`` seconds after its refusal): the tracker's reads count a refused donor's
+    epoch as no more than this peer's own (swarm/patches/progress.py ``discount_refused``), and hivemind's
+    decision to download (``_should_load_state_from_peers``, optimizer.py:655-673) is taken only from a
+    read made after the last refusal; before it, the step reads the swarm's progress again and does not
+    download. Without it, a peer that refused the only donor ahead of it (an honest one that ran ahead while
+    the others were downloading, or one that claims a future epoch) found itself behind again at its next
+    step, downloaded from the donors at its own epoch, and again: in a 4-peer swarm on 127.0.0.1, three
+    peers did so for two minutes while the fourth stepped alone."""
     averager = opt.state_averager
 
     def refused(peer: str) -> bool:
@@ -235,7 +235,8 @@ def decide_downloads_after_refusals(opt: Any) -> None:
     def should_load_from_a_read_after_the_refusals() -> bool:
         if not should_load():
             return False
-        if averager.last_refusal == -math.inf or reads.at > averager.last_refusal:  # none, or read since
+        refusals = averager.refused_donors
+        if not refusals or reads.at > max(refusals.values()) - REFUSE_FOR:  # none, or read since the last
             return True
         progress.read_within(opt.tracker, 0.0)  # the next step decides from the new read
         return False

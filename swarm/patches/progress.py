@@ -120,21 +120,28 @@ class LastRead:
     peers: int = 0
 
 
+def _record_peer(entry: Any) -> str | None:
+    """The PeerID (base58) of a progress record, or None for a malformed one (hivemind's own parsing judges
+    it)."""
+    from hivemind.p2p import PeerID
+
+    try:
+        return PeerID(entry.value["peer_id"]).to_base58()
+    except Exception:
+        return None
+
+
 def leave_out_banned(tracker: Any, banned: Any) -> None:
     """On one running ``ProgressTracker``: the records of peers for which ``banned(peer_id_text)`` is true
     are left out of every read (swarm/suspects.py). Left in, a banned peer still counts in
     ``num_peers``, so this peer looks for a group of two that cannot form and waits its whole matchmaking time
     every epoch, and its claimed samples still count toward the swarm's target. Call before the other
     wrappers of ``_parse_swarm_progress_data``, so that they see what it leaves."""
-    from hivemind.p2p import PeerID
-
     parse = tracker._parse_swarm_progress_data
 
     def kept(entry: Any) -> bool:
-        try:
-            return not banned(PeerID(entry.value["peer_id"]).to_base58())
-        except Exception:  # hivemind's own parsing judges a malformed record
-            return True
+        peer = _record_peer(entry)
+        return peer is None or not banned(peer)
 
     def parsed(metadata: Any) -> Any:
         if isinstance(metadata, dict):
@@ -159,22 +166,21 @@ def discount_refused(tracker: Any, refused: Any) -> Reads:
     downloads whenever this peer is behind it (optimizer.py:655-673): a refused donor ahead of every other
     peer, honest or not, kept this peer downloading at every step. Returns when the reads happened, for
     :func:`swarm.patches.optimizer.decide_downloads_after_refusals`."""
-    from hivemind.p2p import PeerID
     from hivemind.utils import ValueWithExpiration
 
     parse, reads = tracker._parse_swarm_progress_data, Reads()
 
     def discounted(entry: Any) -> Any:
+        own, peer = tracker.local_progress.epoch, _record_peer(entry)
         try:
-            value = entry.value
-            if value["epoch"] <= tracker.local_progress.epoch:
-                return entry
-            if not refused(PeerID(value["peer_id"]).to_base58()):
-                return entry
+            ahead = entry.value["epoch"] > own
         except Exception:  # hivemind's own parsing judges a malformed record
             return entry
-        value = {**value, "epoch": tracker.local_progress.epoch, "samples_accumulated": 0}
-        return ValueWithExpiration(value, entry.expiration_time)
+        if not ahead or peer is None or not refused(peer):
+            return entry
+        return ValueWithExpiration(
+            {**entry.value, "epoch": own, "samples_accumulated": 0}, entry.expiration_time
+        )
 
     def parsed(metadata: Any) -> Any:
         if isinstance(metadata, dict):

@@ -30,8 +30,8 @@ member of a state round takes the largest epoch it gathered, whatever its size.
 - item 23: a download is checked against what the rest of the swarm holds at its epoch (``check_download``,
   set by the strategy): the downloader asks one donor at a time, newest first, and a state that other peers
   contradict is undone and taken from the next donor instead. :func:`state_sketch` is what peers compare.
-- item 24: a refused donor's epoch does not make this peer download again (``last_refusal``, and
-  swarm/patches/progress.py ``discount_refused``).
+- item 24: a refused donor's epoch does not make this peer download again (``refused_donors``, read by
+  swarm/patches/optimizer.py ``decide_downloads_after_refusals``).
 
 :func:`install` makes hivemind.Optimizer build this class (it reads the module-level name
 ``TrainingStateAverager`` of optim/optimizer.py:284). The class keeps hivemind's name: the p2p handlers'
@@ -152,7 +152,6 @@ class _SettledState:
         self.check_download: Any = None
         self.on_refused: Any = None
         self.refused_donors: dict[str, float] = {}
-        self.last_refusal = -float("inf")  # item 24: when a download was last refused (time.monotonic)
         self.serve_filter: Any = None  # the bad_donor fault (swarm/faults.py): changes the parameters served
         self.round_filter: Any = None  # the bad_state fault: changes the parameters this peer sends in rounds
         self._swarm_only_donor: bytes | None = None  # item 23, in the averager process: the one donor to ask
@@ -312,8 +311,7 @@ class _SettledState:
                 self._outer_pipe.send(("_swarm_ask_only", [None], {}))
             if refused is None:
                 return result
-            self.last_refusal = time.monotonic()
-            self.refused_donors[name] = self.last_refusal + REFUSE_FOR
+            self.refused_donors[name] = time.monotonic() + REFUSE_FOR
             if self.on_refused is not None:
                 self.on_refused(name, refused)
         return result

@@ -522,6 +522,13 @@ if __name__ == "__main__":
     help="volunteers: each peer's upload, Mbit/s (download: 4x).",
 )
 @click.option(
+    "--attack",
+    "attacks",
+    multiple=True,
+    help="attack: only the rows whose attacker column contains this text (repeat for several; "
+    "'none' for the run without an attacker) [default: every row].",
+)
+@click.option(
     "--peak-tflops", type=float, default=None, help="step: the GPU's dense bf16 peak, if not known."
 )
 @_fail_cleanly
@@ -540,6 +547,7 @@ def bench(
     volunteers: int,
     quotas: tuple[float, float],
     link_mbit: float,
+    attacks: tuple[str, ...],
 ) -> None:
     """Measure on 127.0.0.1: swarm vs DDP scaling, bytes and accuracy per compression mode, a newcomer's join
     time, swarm vs one process at equal batch, and the GPU training step.
@@ -561,6 +569,7 @@ def bench(
         volunteers,
         quotas,
         link_mbit,
+        attacks,
     )
     run_bench(chosen, Path(out), Path(work_dir), opts)
 

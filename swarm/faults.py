@@ -33,6 +33,10 @@ list of ``kind@epoch`` or ``kind@epochxcount`` items, e.g. ``kill:allreduce@5`` 
   of each parameter's own norm instead of its parameters, drawn from the epoch as a seed (so that bad donors
   at one epoch serve one state), and publishes that state's sketch as its own (what
   swarm/averaging/donors.py is for). It trains and averages honestly otherwise.
+- ``claim_epoch@E``: from global epoch E on, the peer's progress records claim its epoch + ``CLAIM_LEAD``
+  (10^6; hivemind takes the swarm's epoch from the largest record, and a peer behind it downloads), while its
+  own reads see its real epoch: it declares its real epoch as a donor, serves its real state, and trains and
+  averages honestly (what item 25 of docs/hivemind-patches.md is for).
 - ``abandon:join@E``: from global epoch E, the first time the gradient averager asks a leader to take it
   into a group, it gives up before the answer, as a follower whose process is starved for longer than
   ``request_timeout`` does (the leader has taken it in nonetheless; docs/hivemind-patches.md items 8 and 11).
@@ -67,7 +71,8 @@ LOCAL_KILL = "kill:rank"  # swarm-peer local: the last rank SIGKILLs itself at g
 ABANDON_JOIN = "abandon:join"
 BAD_DONOR, BAD_STATE = "bad_donor", "bad_state"
 BAD_DONOR_LEAD = 100  # epochs by which a bad donor's declared priority runs ahead of its epoch
-KINDS = (*KILL_KINDS, *GRAD_KINDS, "nan_params", BAD_DONOR, BAD_STATE, ABANDON_JOIN, LOCAL_KILL)
+CLAIM_EPOCH, CLAIM_LEAD = "claim_epoch", 10**6  # epochs by which its progress records run ahead of its epoch
+KINDS = (*KILL_KINDS, *GRAD_KINDS, "nan_params", BAD_DONOR, BAD_STATE, CLAIM_EPOCH, ABANDON_JOIN, LOCAL_KILL)
 _ARMED_NONE, _ARMED_MATCHMAKING, _ARMED_ALLREDUCE, _ARMED_ABANDON, _ABANDONED = 0, 1, 2, 3, 4
 
 
@@ -221,6 +226,33 @@ class FaultInjector:
                 opt.grad_averager.gather_hook = lambda: {**honest(), "state": None}
         return True
 
+    def claim_epochs(self, tracker: Any, epoch: int) -> bool:
+        """From a ``claim_epoch`` fault's epoch on: the progress records that ``tracker`` (the peer's
+        hivemind ProgressTracker) stores claim the epoch + CLAIM_LEAD, and its own reads see its own record
+        with its real progress; True if due."""
+        fault = next((f for f in self.faults if f.kind == CLAIM_EPOCH and epoch >= f.epoch), None)
+        if fault is None:
+            return False
+        if not isinstance(tracker.dht, _ClaimingDHT):
+            from hivemind.utils import ValueWithExpiration
+
+            print(
+                f"FAULT INJECTED: progress records claim global epoch {epoch + CLAIM_LEAD} from global epoch "
+                f"{epoch}",
+                flush=True,
+            )
+            tracker.dht = _ClaimingDHT(tracker.dht, tracker.training_progress_key)
+            parse, own = tracker._parse_swarm_progress_data, tracker._local_public_key
+
+            def parsed(metadata: Any) -> Any:
+                if isinstance(metadata, dict) and own in metadata:
+                    real = ValueWithExpiration(tracker.local_progress.dict(), metadata[own].expiration_time)
+                    metadata = {**metadata, own: real}
+                return parse(metadata)
+
+            tracker._parse_swarm_progress_data = parsed
+        return True
+
     def corrupt_parameters(self, module: torch.nn.Module, epoch: int) -> bool:
         """Turn one parameter NaN right after the averaging that ended ``epoch``, if due; True if it did."""
         for fault in self.faults:
@@ -232,6 +264,24 @@ class FaultInjector:
                     next(module.parameters()).fill_(float("nan"))
                 return True
         return False
+
+
+class _ClaimingDHT:
+    """A hivemind.DHT as a ``claim_epoch`` peer's progress tracker sees it: a progress record it stores
+    under ``key`` claims its epoch + CLAIM_LEAD (the DHT process signs what it is given); the rest goes to
+    ``dht``."""
+
+    def __init__(self, dht: Any, key: str) -> None:
+        self._dht, self._key = dht, key
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dht, name)
+
+    def store(self, *args: Any, **kwargs: Any) -> Any:
+        value = kwargs.get("value")
+        if kwargs.get("key") == self._key and isinstance(value, dict) and isinstance(value.get("epoch"), int):
+            kwargs["value"] = {**value, "epoch": value["epoch"] + CLAIM_LEAD}
+        return self._dht.store(*args, **kwargs)
 
 
 def _random_of_the_same_norms(params: list[torch.Tensor], epoch: int) -> list[torch.Tensor]:

@@ -176,6 +176,39 @@ def test_random_gradients_keep_each_tensors_norm_and_lose_its_direction():
     assert not injector.corrupt_gradients(layer, epoch=4)  # 2 steps only
 
 
+def test_a_claim_epoch_peer_tells_the_swarm_a_far_future_epoch_and_keeps_its_own(dhts):
+    """The attack bench's ``claim_epoch``: from its epoch on, the progress records that the peer's tracker
+    stores claim its epoch + CLAIM_LEAD (another peer's tracker reads that), while its own reads see its real
+    epoch, so that it trains on honestly."""
+    from hivemind.optim.progress_tracker import ProgressTracker
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from swarm.faults import CLAIM_LEAD
+    from swarm.waiting import wait_until
+
+    node_a, node_b = dhts(2)
+    trackers = [
+        ProgressTracker(node, "pytest-claim", target_batch_size=64, private_key=RSAPrivateKey(), start=True)
+        for node in (node_a, node_b)
+    ]
+    claimer, other = trackers
+    try:
+        injector = FaultInjector(parse_faults("claim_epoch@+2"))
+        injector.start(5)
+        assert not injector.claim_epochs(claimer, 6)  # due from epoch 7 on
+        with claimer.pause_updates():
+            claimer.update_epoch(7)
+        assert injector.claim_epochs(claimer, 7)
+        claimer.report_local_progress(7, 4)
+        other.report_local_progress(0, 4)
+        assert wait_until(lambda: other.global_epoch == 7 + CLAIM_LEAD, timeout=20), other.global_progress
+        assert wait_until(lambda: claimer.global_progress.num_peers == 2, timeout=20), claimer.global_progress
+        assert claimer.global_epoch == 7, claimer.global_progress
+    finally:
+        for tracker in trackers:
+            tracker.shutdown()
+
+
 def test_bf16_autocast_trains_through_hivemind():
     _, strategy, _, module, _ = _fit(SwarmClassifier, steps=4, precision="bf16-mixed")
     assert strategy.local_epoch == 2

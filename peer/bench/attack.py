@@ -14,6 +14,8 @@
   newcomer's first val acc against the honest peer's;
 - random parameters of the honest norms in every state round (``--inject-fault bad_state``, which also
   tells the group it holds another state, so that the round is held);
+- progress records that claim a far-future epoch (``--inject-fault claim_epoch``: its epoch + 10^6) from a
+  peer that serves only its real state: whether the honest peers train on or download at every step;
 - two attackers among five peers: x -8 into three honest peers, random state rounds, and two colluding bad
   donors (one state, each vouching for it) to a newcomer.
 
@@ -69,6 +71,7 @@ ROWS = (
         newcomer=("--no-check-downloads",),
     ),
     Row("state rounds: random parameters", "bad_state@+2", "screen, robust mean", (), honest=2),
+    Row("progress: epoch + 10^6", "claim_epoch@+2", "screen, robust mean", (), honest=2),
     Row("x -8 (sign-flipped)", f"flip_grad@+2{ALWAYS}", "screen, robust mean", (), honest=3, attackers=2),
     Row("state rounds: random parameters", "bad_state@+2", "screen, robust mean", (), honest=3, attackers=2),
     Row("donor: random parameters", "bad_donor@+2", "download check", (), honest=3, attackers=2, newcomer=()),
@@ -84,7 +87,8 @@ def _validations(peer: Peer) -> list[tuple[int, float, float]]:
 def run(bench: Bench, opts: Options) -> None:
     stamp = int(time.time())
     for n, row in enumerate(ROWS):
-        _one(bench, f"bench-attack-{stamp}-{n}", row)
+        if not opts.attacks or any(word in row.attack for word in opts.attacks):
+            _one(bench, f"bench-attack-{stamp}-{n}", row)
 
 
 def _one(bench: Bench, run_id: str, row: Row) -> None:

@@ -38,6 +38,7 @@ class Options:
     volunteers: int = 8
     quotas: tuple[float, float] = (0.1, 0.3)  # the slowest and the fastest volunteer's CPU, in cores
     link_mbit: float = 2.0  # a volunteer's upload (download: 4x)
+    attacks: tuple[str, ...] = ()  # attack: only the rows whose attacker column contains one of these
 
 
 class Built:

@@ -647,6 +647,7 @@ class HivemindStrategy(SingleDeviceStrategy):
                 self.faults.corrupt_parameters(module, self.local_epoch)
                 self.faults.serve_bad_state(self.hivemind_opt.state_averager, self.local_epoch)
                 self.faults.send_bad_state(self.hivemind_opt, self.local_epoch)
+                self.faults.claim_epochs(self.hivemind_opt.tracker, self.local_epoch)
             if self.guard.finite():
                 self.guard.save(self.local_epoch)
                 return

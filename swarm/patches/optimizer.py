@@ -24,8 +24,9 @@ methods of one running optimizer, and :func:`wire` applies them in the order the
 - item 16, :func:`skip_state_rounds_in_agreement`: a state round whose group already holds one state is
   skipped (decided from summaries sent with the gradient round's all-gather).
 - item 17, :func:`number_steps_by_epoch`: AdamW's step counters follow the global epoch.
-- item 24, :func:`decide_downloads_after_refusals`: a donor whose state this peer refused still set the
-  swarm's epoch in the tracker's reads, and the peer downloaded at every step.
+- items 24 and 25, :func:`decide_downloads_after_refusals`: a donor whose state this peer refused, or a
+  progress record that claims an epoch no donor served, still set the swarm's epoch in the tracker's reads,
+  and the peer downloaded at every step.
 
 hivemind 1.1.12 also never takes ``client_mode`` from the DHT (optimizer.py:205 tests ``is None`` the wrong
 way round): pass it explicitly, as swarm/averaging/strategy.py does.
@@ -49,6 +50,7 @@ from swarm.patches.state_averager import REFUSE_FOR, lock_updates
 
 log = logging.getLogger(__name__)
 AGREEMENT_RTOL = 1e-6  # item 16: figures this close count as one state (all-reduce rounding is ~1e-7)
+UNSERVED_FOR = 30.0  # item 25: seconds for which a peer whose claimed epoch no donor served counts at ours
 
 
 @dataclass
@@ -125,8 +127,7 @@ def wire(opt: Any, wiring: Wiring) -> Wired:
         screen_rounds(opt, wiring.screen, wiring.on_rejected, wiring.own_scale)  # item 7
     opt.state_averager.check_download = wiring.check_download  # item 23
     opt.state_averager.on_refused = wiring.on_refused
-    if wiring.check_download is not None:  # item 24: a refused donor's epoch keeps nobody downloading
-        decide_downloads_after_refusals(opt)
+    decide_downloads_after_refusals(opt)  # items 24, 25: a refused or unserved epoch keeps nobody downloading
     # wrappers of the same methods run outermost-last: the clock times the state round that the two below
     # may skip (a skipped round is then not timed as one), and its update hooks come before the lock's
     if wiring.instrument is not None:
@@ -215,33 +216,66 @@ def download_the_epoch_it_names(opt: Any, attempts: int = 3, pause: float = 0.5)
 
 
 def decide_downloads_after_refusals(opt: Any) -> None:
-    """Item 24, on one ``hivemind.Optimizer`` with the swarm's state averager (its ``refused_donors``, each
-    refused until ``REFUSE_FOR`` seconds after its refusal): the tracker's reads count a refused donor's
-    epoch as no more than this peer's own (swarm/patches/progress.py ``discount_refused``), and hivemind's
-    decision to download (``_should_load_state_from_peers``, optimizer.py:655-673) is taken only from a
-    read made after the last refusal; before it, the step reads the swarm's progress again and does not
-    download. Without it, a peer that refused the only donor ahead of it (an honest one that ran ahead while
-    the others were downloading, or one that claims a future epoch) found itself behind again at its next
-    step, downloaded from the donors at its own epoch, and again: in a 4-peer swarm on 127.0.0.1, three
-    peers did so for two minutes while the fourth stepped alone."""
-    averager = opt.state_averager
+    """Items 24 and 25, on one ``hivemind.Optimizer`` with the swarm's state averager (its ``refused_donors``,
+    each refused until ``REFUSE_FOR`` seconds after its refusal, and ``kept_download``): the tracker's reads
+    count the epoch of a refused donor, and of a peer whose epoch no donor served, as no more than this peer's
+    own (swarm/patches/progress.py ``discount_refused``), and hivemind's decision to download
+    (``_should_load_state_from_peers``, optimizer.py:655-673) is taken only from a read made after the last
+    such discount began; before it, the step reads the swarm's progress again and does not download.
 
-    def refused(peer: str) -> bool:
-        return averager.refused_donors.get(peer, -math.inf) > time.monotonic()
+    Item 24: a peer that refused the only donor ahead of it (an honest one that ran ahead while the others
+    were downloading, or one that claims a future epoch) found itself behind again at its next step,
+    downloaded from the donors at its own epoch, and again: in a 4-peer swarm on 127.0.0.1, three peers did
+    so for two minutes while the fourth stepped alone.
 
-    reads = progress.discount_refused(opt.tracker, refused)
-    should_load = opt._should_load_state_from_peers
+    Item 25: a progress record may claim any epoch (a peer that is no donor, or serves an older state than it
+    claims). hivemind downloads from the newest donor, keeps that state, finds itself behind the claim again
+    and downloads at every step. The records are read just before each download; once the download kept a
+    donor's state and this peer is still behind one of them, that record's peer is counted at this peer's
+    epoch for ``UNSERVED_FOR`` seconds; a download that kept nothing (no donor answered) marks nobody, so a
+    newcomer still downloads until it holds the swarm's state."""
+    averager, tracker = opt.state_averager, opt.tracker
+    unserved: dict[str, float] = {}  # item 25: peer (base58) -> until (time.monotonic)
+    marked = [-math.inf]  # when unserved claims were last marked
 
-    def should_load_from_a_read_after_the_refusals() -> bool:
+    def discounted(peer: str) -> bool:
+        now = time.monotonic()
+        return averager.refused_donors.get(peer, -math.inf) > now or unserved.get(peer, -math.inf) > now
+
+    reads = progress.discount_refused(tracker, discounted)
+    should_load, load = opt._should_load_state_from_peers, opt.load_state_from_peers
+
+    def should_load_from_a_read_after_the_discounts() -> bool:
         if not should_load():
             return False
-        refusals = averager.refused_donors
-        if not refusals or reads.at > max(refusals.values()) - REFUSE_FOR:  # none, or read since the last
+        last = max([until - REFUSE_FOR for until in averager.refused_donors.values()] + marked)
+        if last == -math.inf or reads.at > last:  # no discount ever, or none began since the read
             return True
-        progress.read_within(opt.tracker, 0.0)  # the next step decides from the new read
+        progress.read_within(tracker, 0.0)  # the next step decides from the new read
         return False
 
-    opt._should_load_state_from_peers = should_load_from_a_read_after_the_refusals
+    def load_marking_unserved_claims(**kwargs: Any) -> Any:
+        claims = progress.claimed_epochs(tracker)
+        result = load(**kwargs)
+        held = opt.local_epoch
+        ahead = {peer: epoch for peer, epoch in claims.items() if epoch > held and not discounted(peer)}
+        if averager.kept_download and ahead:
+            now = marked[0] = time.monotonic()
+            for peer, epoch in ahead.items():
+                unserved[peer] = now + UNSERVED_FOR
+                log.log(
+                    logging.INFO if epoch <= held + 1 else logging.WARNING,
+                    "Peer %s claims global epoch %d, but the newest state its donors served is epoch %d: "
+                    "this peer counts it at its own epoch for %.0f s instead of downloading again",
+                    peer,
+                    epoch,
+                    held,
+                    UNSERVED_FOR,
+                )
+        return result
+
+    opt._should_load_state_from_peers = should_load_from_a_read_after_the_discounts
+    opt.load_state_from_peers = load_marking_unserved_claims
 
 
 def _skip_state_rounds_after(opt: Any, note: Any, on_skip: Any, before: Any = lambda: None) -> None:

@@ -158,9 +158,29 @@ class Reads:
     at: float = -math.inf
 
 
+def claimed_epochs(tracker: Any, timeout: float = 5.0) -> dict[str, int]:
+    """Item 25: the epoch that each peer's progress record claims now (base58 PeerID -> epoch), read from
+    the DHT as the tracker reads it (progress_tracker.py:246-249); records in client mode, which hivemind
+    leaves out of the swarm's epoch, and malformed ones are left out. Empty if the read fails."""
+    try:
+        read = tracker.dht.get(tracker.training_progress_key, latest=True, return_future=True)
+        found = read.result(timeout)
+    except Exception as e:  # a DHT that is shutting down, a timeout
+        log.debug("Could not read the swarm's progress records: %r", e)
+        return {}
+    epochs = {}
+    for entry in (found.value if found is not None and isinstance(found.value, dict) else {}).values():
+        peer, value = _record_peer(entry), getattr(entry, "value", None)
+        if peer is not None and isinstance(value, dict) and not value.get("client_mode", False):
+            if isinstance(value.get("epoch"), int):
+                epochs[peer] = value["epoch"]
+    return epochs
+
+
 def discount_refused(tracker: Any, refused: Any) -> Reads:
-    """Item 24, on one running ``ProgressTracker``: the record of a peer for which ``refused(peer_id_text)``
-    is true (a donor whose state this peer refused, swarm/averaging/donors.py) still counts as a peer with its
+    """Items 24 and 25, on one running ``ProgressTracker``: the record of a peer for which
+    ``refused(peer_id_text)`` is true (a donor whose state this peer refused, swarm/averaging/donors.py, or a
+    peer whose epoch no donor served, swarm/patches/optimizer.py) still counts as a peer with its
     speed, but an epoch of it ahead of this peer's own counts as this peer's epoch, with none of its samples.
     hivemind takes the swarm's epoch from the largest epoch of any record (progress_tracker.py:300-303) and
     downloads whenever this peer is behind it (optimizer.py:655-673): a refused donor ahead of every other

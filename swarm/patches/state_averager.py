@@ -32,6 +32,8 @@ member of a state round takes the largest epoch it gathered, whatever its size.
   contradict is undone and taken from the next donor instead. :func:`state_sketch` is what peers compare.
 - item 24: a refused donor's epoch does not make this peer download again (``refused_donors``, read by
   swarm/patches/optimizer.py ``decide_downloads_after_refusals``).
+- item 25: a download notes whether it kept a donor's state (``kept_download``): a state received (hivemind
+  ends such a download with ``_update_scheduler``, state_averager.py:697-698) that was not undone.
 
 :func:`install` makes hivemind.Optimizer build this class (it reads the module-level name
 ``TrainingStateAverager`` of optim/optimizer.py:284). The class keeps hivemind's name: the p2p handlers'
@@ -147,6 +149,8 @@ class _SettledState:
         self.screen: Any = None  # item 7: a RoundScreen and its callback, set by swarm.patches.optimizer.wire
         self.on_rejected: Any = None
         self.held_epoch: int | None = None  # item 13: the epoch of the state the last download left here
+        self.kept_download = False  # item 25: the last download kept a state that a donor served
+        self._swarm_received = False  # set by _update_scheduler when hivemind applies a downloaded state
         # item 23: a swarm.averaging.donors.DonorCheck, set by the strategy (None: any donor, unchecked); told
         # of refused donors through on_refused(donor, reason); the donors refused lately (base58 -> until)
         self.check_download: Any = None
@@ -265,6 +269,7 @@ class _SettledState:
         the lock but numbers their epoch after it (state_averager.py:682-697), and a state that the check
         would refuse must not be passed on."""
         with self._unsettled():
+            self.kept_download = False
             try:
                 if self.check_download is None:
                     return self._load_screened(**kwargs)
@@ -382,7 +387,9 @@ class _SettledState:
             hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         epoch = self.local_epoch
         self._swarm_own_hyper = hyper  # put back before hivemind's scheduler catches up (_update_scheduler)
+        self._swarm_received = False
         result = super().load_state_from_peers(**kwargs)
+        received, self._swarm_received = self._swarm_received, False
         reason = refused = None
         with torch.no_grad(), self.lock_averaged_tensors:
             self._restore_own_hyper()  # a download that ended before the scheduler's catch-up
@@ -413,6 +420,7 @@ class _SettledState:
                 self._load_local_tensors_into_averager_()
         if reason is not None and check is None:  # with a check, its caller says why (on_refused)
             self.on_rejected("download", reason, 0)
+        self.kept_download = self.kept_download or (received and reason is None and refused is None)
         return result if check is None else (result, refused)
 
     def _restore_own_hyper(self: Any) -> None:
@@ -424,7 +432,9 @@ class _SettledState:
     def _update_scheduler(self: Any) -> None:
         """hivemind's catch-up of its own scheduler (if given one) at the end of a download
         (state_averager.py:697-698), after this peer's own hyperparameters are back: the schedule then sets
-        the rate of the downloaded epoch, as in hivemind."""
+        the rate of the downloaded epoch, as in hivemind. hivemind calls it at the end of a download only when
+        a donor's state arrived and was applied (item 25 notes that)."""
+        self._swarm_received = True
         self._restore_own_hyper()
         super()._update_scheduler()
 

@@ -2,7 +2,9 @@
 demo model, 32 samples per worker and step, and a global batch of 2048 (64 per-step batches): samples/s, the
 ratios, and the time that ends each round (median, and split in summary.json). The demo's config averages
 the parameters every global epoch, skipped when the whole group already holds one state
-(docs/hivemind-patches.md item 16); DiLoCo with H local steps follows, over 20 outer rounds; then the same
+(docs/hivemind-patches.md item 16); the same with hivemind's weighted mean in place of the robust mean
+(``--aggregation mean``: what the robust rule costs; with 2 peers a pair takes the weighted mean either way,
+so ``--peers 3`` or more measures it); DiLoCo with H local steps follows, over 20 outer rounds; then the same
 swarm with every one of those state rounds held, then with them averaged every 10th (the flagship's
 ``average_state_every``), then with hivemind's own matchmaking (groups wait ``matchmaking_time``), and DDP
 again. All of it ``--repeats`` times; the table gives the medians."""
@@ -45,6 +47,7 @@ def _one_repeat(bench: Bench, opts: Options, batch: int, per_round: int, repeat:
     single = local(bench, f"bench-scaling-{stamp}", "single", 1, shared)
     ddp = local(bench, f"bench-scaling-{stamp}", "ddp", peers, shared)
     grads = swarm(bench, f"bench-scaling-swarm-{stamp}", peers, shared)
+    mean = swarm(bench, f"bench-scaling-mean-{stamp}", peers, [*shared, "--aggregation", "mean"])
     diloco_target = peers * local_steps * batch
     diloco = swarm(
         bench,
@@ -67,11 +70,13 @@ def _one_repeat(bench: Bench, opts: Options, batch: int, per_round: int, repeat:
     ddp_cpu = _mean([_local_cpu_per_sample(ddp), _local_cpu_per_sample(ddp_after)])
     runs = (
         ("swarm", grads, target),
+        ("swarm-mean", mean, target),
         ("swarm-allstate", allstate, target),
         ("swarm-state10", state10, target),
         ("swarm-wait", waiting, target),
         ("diloco", diloco, diloco_target),
     )
+    mean_sps = sum(peer_rate(s) for s in mean)
     for name, sums, tgt in runs:
         sps = sum(peer_rate(s) for s in sums)
         together = sum(_averaged_rate(s) for s in sums)
@@ -95,6 +100,8 @@ def _one_repeat(bench: Bench, opts: Options, batch: int, per_round: int, repeat:
                 "ddp_samples_per_second_each": [round(x, 1) for x in ddp_each],
                 "single_samples_per_second": round(single_sps, 1),
                 "vs_ddp": round(sps / ddp_sps, 3),
+                # the robust mean (the default) against hivemind's weighted mean, same flags otherwise
+                "vs_mean_aggregation": round(sps / mean_sps, 3) if name == "swarm" else None,
                 "vs_k_single": round(sps / (peers * single_sps), 3),
                 # the same over the global epochs whose round averaged (not those a peer stepped alone: the
                 # first second or so, until the progress trackers see each other)
@@ -156,7 +163,8 @@ def _summarise(bench: Bench, rows: list[dict[str, Any]]) -> None:
         bench.record(row)
         print(
             f"scaling {name:>13} x{row['workers']}: median of {len(mine)} repeats, vs DDP {_vs_ddp(row)}; "
-            f"median round end {fmt(row['round_end_seconds_median'], 2)} s",
+            f"median round end {fmt(row['round_end_seconds_median'], 2)} s"
+            + (f"; vs the weighted mean {fmt(row['vs_mean_aggregation'], 2)}" if name == "swarm" else ""),
             flush=True,
         )
 
@@ -204,6 +212,7 @@ MEDIAN_FIELDS = (
     "ddp_samples_per_second",
     "single_samples_per_second",
     "vs_ddp",
+    "vs_mean_aggregation",
     "vs_ddp_averaged_rounds",
     "vs_k_single",
     "seconds_per_round",
@@ -226,6 +235,7 @@ def line(r: dict[str, Any]) -> str:
         f"{r['seconds_per_round']:.2f} s of which {r['round_end_seconds_per_round']:.2f} s ending it (median "
         f"{fmt(r['round_end_seconds_median'], 2)} s); {r['samples_per_global_epoch']:.0f} samples per global "
         f"epoch (target {r['target_batch_size']}); {_cpu(r)}"
+        + (f"; vs the weighted mean {r['vs_mean_aggregation']:.2f}x" if r.get("vs_mean_aggregation") else "")
     )
 
 
@@ -245,6 +255,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     if medians:
         rows = medians
     names = {
+        "swarm-mean": "swarm, hivemind's weighted mean (`--aggregation mean`)",
         "swarm-allstate": "swarm, every state round held (none skipped in agreement)",
         "swarm-state10": "swarm, parameters averaged every 10th epoch (the flagship's config)",
         "swarm-wait": "swarm, groups wait matchmaking_time (hivemind's default)",

@@ -93,7 +93,12 @@ def centered_clip(
     tolerance: float = TOLERANCE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(The robust average of the rows of ``parts`` (n x d, float32) with ``weights`` (n), the factor each
-    row was scaled by at the last iteration: 1 where it was not clipped). Rows with weight 0 take no part."""
+    row was scaled by at the last iteration: 1 where it was not clipped). Rows with weight 0 take no part.
+
+    Where every row lies within ``tau`` of the weighted mean (an honest round), the mean is the fixed point of
+    the iteration (no row clipped, so its step is zero) and is returned at once: the iteration from the median
+    reaches it too, to within ``tolerance``, in two or more passes over the rows (measured on one core: 3 rows
+    of 131,072 numbers 0.73 against 0.49 ms, 4 rows 1.01 against 0.70, 8 rows 4.8 against 3.1)."""
     weights = weights.to(torch.float32)
     used = weights > 0
     scale = torch.ones(parts.shape[0])
@@ -111,6 +116,9 @@ def centered_clip(
     if tau <= 0:  # most rows agree exactly (parameters of peers in step): their value; the others count 0
         scale[used] = (distances == 0).to(scale.dtype)
         return centre.to(parts.dtype), scale
+    mean = (w @ rows) / total
+    if bool((torch.linalg.vector_norm(rows - mean, dim=1) <= tau).all()):
+        return mean.to(parts.dtype), scale
     clip = torch.ones_like(w)
     for _ in range(iterations):
         diff = rows - centre

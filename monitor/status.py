@@ -94,6 +94,29 @@ def collect(cfg: ExperimentConfig, timeout: float = 10.0) -> SwarmStatus:
     return status
 
 
+def swarm_epoch(status: SwarmStatus) -> tuple[int, list[tuple[str, int]]]:
+    """(The swarm's global epoch, the claims left out of it as (PeerID, epoch)). hivemind takes the largest
+    epoch of any progress record, and a record may claim any epoch (docs/hivemind-patches.md item 25); here a
+    progress record more than one epoch ahead of every other record, progress or metrics (its own peer's
+    metrics record included), is an unconfirmed claim. An honest peer ahead of the others publishes its
+    metrics at its epoch too, and so confirms its own."""
+    from hivemind.p2p import PeerID
+
+    progress = [p for p in status.progress if not p.client_mode]
+    metrics_epochs = [r.global_epoch for r in status.records]
+    claims = []
+    for p in progress:
+        rest = [q.epoch for q in progress if q is not p] + metrics_epochs
+        if rest and p.epoch > max(rest) + 1:
+            try:
+                peer = PeerID(p.peer_id).to_base58()
+            except Exception:  # a malformed PeerID in a record that passed hivemind's schema
+                peer = "?"
+            claims.append((peer, p.epoch))
+    kept = [p.epoch for p in status.progress if (p.epoch not in {e for _, e in claims}) or p.client_mode]
+    return max(kept + metrics_epochs, default=0), claims
+
+
 def render(status: SwarmStatus) -> str:
     """The summary as text, one screen."""
     lines = [f"Swarm {status.run_id!r} (asked {status.via})"]
@@ -107,7 +130,7 @@ def render(status: SwarmStatus) -> str:
     # hivemind's own progress records count a peer whose metrics record lapsed while it was busy
     # (downloading state, or stuck in a long round), so the larger of the two counts is the live one
     trainers = [p for p in status.progress if p.samples_per_second > 0 or p.samples_accumulated > 0]
-    epoch = max([p.epoch for p in status.progress] + [r.global_epoch for r in status.records])
+    epoch, claims = swarm_epoch(status)
     at_epoch = [p for p in status.progress if p.epoch == epoch]
     accumulated = sum(p.samples_accumulated for p in at_epoch)
     newest = max((r.global_epoch for r in status.records), default=0)
@@ -122,6 +145,11 @@ def render(status: SwarmStatus) -> str:
         f"  samples/s:      {sps:.1f} (sum over peers, averaging waits included)",
         f"  next step:      {accumulated} / {target} samples ({percent:.0f}%){eta}",
     ]
+    for peer, claimed in claims:
+        lines.append(
+            f"  unconfirmed:    peer {peer} claims global epoch {claimed}, more than one epoch ahead of "
+            "every other record (the peers count it at their own epoch once no donor serves that state)"
+        )
     validated = [r for r in status.records if r.val_acc is not None and r.val_epoch is not None]
     if validated:
         latest = max(r.val_epoch for r in validated)

@@ -205,3 +205,46 @@ def test_the_monitor_names_each_banned_peer_once_with_what_to_do(caplog):
         "Peer 12D3KooWattacker is banned by 2 of 3 peers at global epoch 41: its gradients were far from its "
         "groupmates' round after round (a peer that sends wrong numbers); this swarm is open to anyone"
     ), line
+
+
+def test_status_leaves_a_claim_far_ahead_of_every_other_record_out_of_the_swarms_epoch():
+    """A progress record may claim any epoch: one more than an epoch ahead of every other record (its own
+    peer's metrics included) is shown apart, and the swarm's epoch, peers and next step come from the rest.
+    An honest peer ahead of the others confirms its epoch with its own metrics record."""
+    from hivemind.optim.progress_tracker import LocalTrainingProgress
+    from hivemind.p2p import PeerID
+
+    from monitor.status import SwarmStatus, render
+
+    ids = [
+        PeerID.from_base58(text)
+        for text in (
+            "12D3KooWH6gn7k9ueUE7Lp32K8Cs7Ghbv3baEj5hLbWG5LYkiLJG",
+            "12D3KooWJD72ZeDKvXAxpVZjzfip9yJBLKPA7hYpgMjz1ZWwhe3y",
+            "12D3KooWB5DXRtFun4KsXvUVWK9rRMNGH8KZ8vqn87Evinh2vKjn",
+        )
+    ]
+
+    def progress(peer, epoch, samples):
+        return LocalTrainingProgress(
+            peer_id=peer.to_bytes(), epoch=epoch, samples_accumulated=samples, samples_per_second=10.0,
+            time=0.0, client_mode=False,
+        )  # fmt: skip
+
+    records = [rec("a", 40), rec("b", 40), rec("c", 40)]
+    claimed = [progress(ids[0], 40, 64), progress(ids[1], 40, 32), progress(ids[2], 10**6 + 40, 0)]
+    status = SwarmStatus("run", "addr", records=records, progress=claimed, reachability="loopback only")
+    status.target_batch_size = 256
+    lines = render(status).splitlines()
+    assert "  global epoch:   40" in lines, lines
+    assert "  next step:      96 / 256 samples (38%), next step in ~5.3 s" in lines, lines
+    (line,) = [x for x in lines if x.startswith("  unconfirmed:")]
+    assert f"peer {ids[2].to_base58()} claims global epoch 1000040" in line, line
+
+    # a peer honestly ahead of the others publishes its metrics at that epoch: no claim
+    ahead = [progress(ids[0], 40, 64), progress(ids[1], 40, 32), progress(ids[2], 45, 16)]
+    status = SwarmStatus(
+        "run", "addr", records=[*records[:2], rec("c", 45)], progress=ahead, reachability="loopback only"
+    )
+    lines = render(status).splitlines()
+    assert "  global epoch:   45" in lines and not [x for x in lines if x.startswith("  unconfirmed:")], lines

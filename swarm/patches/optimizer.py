@@ -231,9 +231,10 @@ def decide_downloads_after_refusals(opt: Any) -> None:
     Item 25: a progress record may claim any epoch (a peer that is no donor, or serves an older state than it
     claims). hivemind downloads from the newest donor, keeps that state, finds itself behind the claim again
     and downloads at every step. The records are read just before each download; once the download kept a
-    donor's state and this peer is still behind one of them, that record's peer is counted at this peer's
-    epoch for ``UNSERVED_FOR`` seconds; a download that kept nothing (no donor answered) marks nobody, so a
-    newcomer still downloads until it holds the swarm's state."""
+    donor's state and this peer is still more than one epoch behind one of them, that record's peer is
+    counted at this peer's epoch for ``UNSERVED_FOR`` seconds (one epoch behind is left to item 13: a donor
+    that stepped while this peer downloaded); a download that kept nothing (no donor answered) marks nobody,
+    so a newcomer still downloads until it holds the swarm's state."""
     averager, tracker = opt.state_averager, opt.tracker
     unserved: dict[str, float] = {}  # item 25: peer (base58) -> until (time.monotonic)
     marked = [-math.inf]  # when unserved claims were last marked
@@ -258,13 +259,13 @@ def decide_downloads_after_refusals(opt: Any) -> None:
         claims = progress.claimed_epochs(tracker)
         result = load(**kwargs)
         held = opt.local_epoch
-        ahead = {peer: epoch for peer, epoch in claims.items() if epoch > held and not discounted(peer)}
+        # one epoch ahead: a donor that stepped while this peer downloaded (item 13 downloads again)
+        ahead = {peer: epoch for peer, epoch in claims.items() if epoch > held + 1 and not discounted(peer)}
         if averager.kept_download and ahead:
             now = marked[0] = time.monotonic()
             for peer, epoch in ahead.items():
                 unserved[peer] = now + UNSERVED_FOR
-                log.log(
-                    logging.INFO if epoch <= held + 1 else logging.WARNING,
+                log.warning(
                     "Peer %s claims global epoch %d, but the newest state its donors served is epoch %d: "
                     "this peer counts it at its own epoch for %.0f s instead of downloading again",
                     peer,

@@ -34,7 +34,8 @@ list of ``kind@epoch`` or ``kind@epochxcount`` items, e.g. ``kill:allreduce@5`` 
   at one epoch serve one state), and publishes that state's sketch as its own (what
   swarm/averaging/donors.py is for). It trains and averages honestly otherwise.
 - ``claim_epoch@E``: from global epoch E on, the peer's progress records claim its epoch + ``CLAIM_LEAD``
-  (10^6; hivemind takes the swarm's epoch from the largest record, and a peer behind it downloads), while its
+  (10^6; ``claim_epoch:K`` claims K ahead; hivemind takes the swarm's epoch from the largest record, a peer
+  behind it downloads, and a peer one epoch behind steps at once), while its
   own reads see its real epoch: it declares its real epoch as a donor, serves its real state, and trains and
   averages honestly (what item 25 of docs/hivemind-patches.md is for).
 - ``abandon:join@E``: from global epoch E, the first time the gradient averager asks a leader to take it
@@ -84,7 +85,7 @@ class Fault:
     epoch: int
     count: int = 1
     relative: bool = False  # epoch counts from the peer's first global epoch
-    scale: float | None = None  # flip_grad:K: the gradients times -K
+    scale: float | None = None  # flip_grad:K: the gradients times -K; claim_epoch:K: the epochs claimed ahead
 
 
 def parse_faults(spec: str | None) -> tuple[Fault, ...]:
@@ -100,10 +101,13 @@ def parse_faults(spec: str | None) -> tuple[Fault, ...]:
         scale = None
         if kind.startswith("flip_grad:") and kind.partition(":")[2].isdigit():
             kind, scale = "flip_grad", -float(kind.partition(":")[2])
+        if kind.startswith(f"{CLAIM_EPOCH}:") and kind.partition(":")[2].isdigit():
+            kind, scale = CLAIM_EPOCH, float(kind.partition(":")[2])
         if kind not in KINDS or not epoch.isdigit() or (count and not count.isdigit()):
             raise ValueError(
                 f"inject_fault item {item!r} is invalid: expected kind@[+]epoch or kind@[+]epochxcount with "
-                f"kind one of {', '.join(KINDS)} (flip_grad:K for gradients times -K)"
+                f"kind one of {', '.join(KINDS)} (flip_grad:K for gradients times -K, claim_epoch:K for "
+                "epochs claimed K ahead)"
             )
         faults.append(Fault(kind, int(epoch), int(count) if count else 1, relative, scale))
     return tuple(faults)
@@ -236,12 +240,13 @@ class FaultInjector:
         if not isinstance(tracker.dht, _ClaimingDHT):
             from hivemind.utils import ValueWithExpiration
 
+            lead = int(fault.scale) if fault.scale else CLAIM_LEAD
             print(
-                f"FAULT INJECTED: progress records claim global epoch {epoch + CLAIM_LEAD} from global epoch "
+                f"FAULT INJECTED: progress records claim global epoch {epoch + lead} from global epoch "
                 f"{epoch}",
                 flush=True,
             )
-            tracker.dht = _ClaimingDHT(tracker.dht, tracker.training_progress_key)
+            tracker.dht = _ClaimingDHT(tracker.dht, tracker.training_progress_key, lead)
             parse, own = tracker._parse_swarm_progress_data, tracker._local_public_key
 
             def parsed(metadata: Any) -> Any:
@@ -268,11 +273,11 @@ class FaultInjector:
 
 class _ClaimingDHT:
     """A hivemind.DHT as a ``claim_epoch`` peer's progress tracker sees it: a progress record it stores
-    under ``key`` claims its epoch + CLAIM_LEAD (the DHT process signs what it is given); the rest goes to
+    under ``key`` claims its epoch + ``lead`` (the DHT process signs what it is given); the rest goes to
     ``dht``."""
 
-    def __init__(self, dht: Any, key: str) -> None:
-        self._dht, self._key = dht, key
+    def __init__(self, dht: Any, key: str, lead: int = CLAIM_LEAD) -> None:
+        self._dht, self._key, self._lead = dht, key, lead
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._dht, name)
@@ -280,7 +285,7 @@ class _ClaimingDHT:
     def store(self, *args: Any, **kwargs: Any) -> Any:
         value = kwargs.get("value")
         if kwargs.get("key") == self._key and isinstance(value, dict) and isinstance(value.get("epoch"), int):
-            kwargs["value"] = {**value, "epoch": value["epoch"] + CLAIM_LEAD}
+            kwargs["value"] = {**value, "epoch": value["epoch"] + self._lead}
         return self._dht.store(*args, **kwargs)
 
 

@@ -72,6 +72,7 @@ ROWS = (
     ),
     Row("state rounds: random parameters", "bad_state@+2", "screen, robust mean", (), honest=2),
     Row("progress: epoch + 10^6", "claim_epoch@+2", "screen, robust mean", (), honest=2),
+    Row("progress: epoch + 1", "claim_epoch:1@+2", "screen, robust mean", (), honest=2),
     Row("x -8 (sign-flipped)", f"flip_grad@+2{ALWAYS}", "screen, robust mean", (), honest=3, attackers=2),
     Row("state rounds: random parameters", "bad_state@+2", "screen, robust mean", (), honest=3, attackers=2),
     Row("donor: random parameters", "bad_donor@+2", "download check", (), honest=3, attackers=2, newcomer=()),

@@ -217,7 +217,7 @@ def download_the_epoch_it_names(opt: Any, attempts: int = 3, pause: float = 0.5)
 
 def decide_downloads_after_refusals(opt: Any) -> None:
     """Items 24 and 25, on one ``hivemind.Optimizer`` with the swarm's state averager (its ``refused_donors``,
-    each refused until ``REFUSE_FOR`` seconds after its refusal, and ``kept_download``): the tracker's reads
+    each refused until ``REFUSE_FOR`` seconds after its refusal, and ``donor_answered``): the tracker's reads
     count the epoch of a refused donor, and of a peer whose epoch no donor served, as no more than this peer's
     own (swarm/patches/progress.py ``discount_refused``), and hivemind's decision to download
     (``_should_load_state_from_peers``, optimizer.py:655-673) is taken only from a read made after the last
@@ -230,11 +230,12 @@ def decide_downloads_after_refusals(opt: Any) -> None:
 
     Item 25: a progress record may claim any epoch (a peer that is no donor, or serves an older state than it
     claims). hivemind downloads from the newest donor, keeps that state, finds itself behind the claim again
-    and downloads at every step. The records are read just before each download; once the download kept a
-    donor's state and this peer is still more than one epoch behind one of them, that record's peer is
-    counted at this peer's epoch for ``UNSERVED_FOR`` seconds (one epoch behind is left to item 13: a donor
-    that stepped while this peer downloaded); a download that kept nothing (no donor answered) marks nobody,
-    so a newcomer still downloads until it holds the swarm's state."""
+    and downloads at every step. The records are read just before each download; once a donor answered the
+    download (its state arrived and stands, applied or older than this peer's own) and this peer is still
+    more than one epoch behind one of them, that record's peer is counted at this peer's epoch for
+    ``UNSERVED_FOR`` seconds (one epoch behind is left to item 13: a donor that stepped while this peer
+    downloaded); a download that no donor answered marks nobody, so a newcomer still downloads until it holds
+    the swarm's state."""
     averager, tracker = opt.state_averager, opt.tracker
     unserved: dict[str, float] = {}  # item 25: peer (base58) -> until (time.monotonic)
     marked = [-math.inf]  # when unserved claims were last marked
@@ -261,7 +262,7 @@ def decide_downloads_after_refusals(opt: Any) -> None:
         held = opt.local_epoch
         # one epoch ahead: a donor that stepped while this peer downloaded (item 13 downloads again)
         ahead = {peer: epoch for peer, epoch in claims.items() if epoch > held + 1 and not discounted(peer)}
-        if averager.kept_download and ahead:
+        if averager.donor_answered and ahead:
             now = marked[0] = time.monotonic()
             for peer, epoch in ahead.items():
                 unserved[peer] = now + UNSERVED_FOR

@@ -32,8 +32,10 @@ member of a state round takes the largest epoch it gathered, whatever its size.
   contradict is undone and taken from the next donor instead. :func:`state_sketch` is what peers compare.
 - item 24: a refused donor's epoch does not make this peer download again (``refused_donors``, read by
   swarm/patches/optimizer.py ``decide_downloads_after_refusals``).
-- item 25: a download notes whether it kept a donor's state (``kept_download``): a state received (hivemind
-  ends such a download with ``_update_scheduler``, state_averager.py:697-698) that was not undone.
+- item 25: a download notes whether a donor answered it (``donor_answered``): a state arrived (the epoch of
+  what hivemind's ``DecentralizedAverager.load_state_from_peers`` returned to ``TrainingStateAverager``,
+  state_averager.py:667-674) and neither the screen nor the check undid it; hivemind applies it, or keeps
+  this peer's own state where the donor's is older.
 
 :func:`install` makes hivemind.Optimizer build this class (it reads the module-level name
 ``TrainingStateAverager`` of optim/optimizer.py:284). The class keeps hivemind's name: the p2p handlers'
@@ -149,8 +151,8 @@ class _SettledState:
         self.screen: Any = None  # item 7: a RoundScreen and its callback, set by swarm.patches.optimizer.wire
         self.on_rejected: Any = None
         self.held_epoch: int | None = None  # item 13: the epoch of the state the last download left here
-        self.kept_download = False  # item 25: the last download kept a state that a donor served
-        self._swarm_received = False  # set by _update_scheduler when hivemind applies a downloaded state
+        self.donor_answered = False  # item 25: a donor's state arrived in the last download, and stands
+        self._swarm_received: int | None = None  # item 25: the epoch of the state that arrived (_Receiving)
         # item 23: a swarm.averaging.donors.DonorCheck, set by the strategy (None: any donor, unchecked); told
         # of refused donors through on_refused(donor, reason); the donors refused lately (base58 -> until)
         self.check_download: Any = None
@@ -269,7 +271,7 @@ class _SettledState:
         the lock but numbers their epoch after it (state_averager.py:682-697), and a state that the check
         would refuse must not be passed on."""
         with self._unsettled():
-            self.kept_download = False
+            self.donor_answered = False
             try:
                 if self.check_download is None:
                     return self._load_screened(**kwargs)
@@ -387,9 +389,9 @@ class _SettledState:
             hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         epoch = self.local_epoch
         self._swarm_own_hyper = hyper  # put back before hivemind's scheduler catches up (_update_scheduler)
-        self._swarm_received = False
+        self._swarm_received = None
         result = super().load_state_from_peers(**kwargs)
-        received, self._swarm_received = self._swarm_received, False
+        received = self._swarm_received is not None
         reason = refused = None
         with torch.no_grad(), self.lock_averaged_tensors:
             self._restore_own_hyper()  # a download that ended before the scheduler's catch-up
@@ -420,7 +422,7 @@ class _SettledState:
                 self._load_local_tensors_into_averager_()
         if reason is not None and check is None:  # with a check, its caller says why (on_refused)
             self.on_rejected("download", reason, 0)
-        self.kept_download = self.kept_download or (received and reason is None and refused is None)
+        self.donor_answered = self.donor_answered or (received and reason is None and refused is None)
         return result if check is None else (result, refused)
 
     def _restore_own_hyper(self: Any) -> None:
@@ -432,9 +434,7 @@ class _SettledState:
     def _update_scheduler(self: Any) -> None:
         """hivemind's catch-up of its own scheduler (if given one) at the end of a download
         (state_averager.py:697-698), after this peer's own hyperparameters are back: the schedule then sets
-        the rate of the downloaded epoch, as in hivemind. hivemind calls it at the end of a download only when
-        a donor's state arrived and was applied (item 25 notes that)."""
-        self._swarm_received = True
+        the rate of the downloaded epoch, as in hivemind."""
         self._restore_own_hyper()
         super()._update_scheduler()
 
@@ -484,11 +484,32 @@ class _SettledState:
                     pass
 
 
+def _receiving(averager: type) -> type:
+    """``averager`` (hivemind's DecentralizedAverager) noting the epoch of each downloaded state that its
+    ``load_state_from_peers`` returns (item 25): placed between TrainingStateAverager and it in the class
+    order, it sees what hivemind's TrainingStateAverager.load_state_from_peers receives
+    (state_averager.py:667) before that method applies the state, or drops it as older than this peer's own
+    (state_averager.py:672)."""
+
+    def load_state_from_peers(self: Any, *args: Any, **kwargs: Any) -> Any:
+        loaded = super(receiving, self).load_state_from_peers(*args, **kwargs)
+        if isinstance(loaded, tuple) and loaded and isinstance(loaded[0], dict):
+            epoch = loaded[0].get("epoch")
+            self._swarm_received = epoch if isinstance(epoch, int) else -1
+        return loaded
+
+    receiving = type(averager.__name__, (averager,), {"load_state_from_peers": load_state_from_peers})
+    receiving.__module__ = __name__
+    return receiving
+
+
 @cache
 def state_averager_class(base: type) -> type:
     """``base`` (hivemind's TrainingStateAverager) with every change of the module docstring; it takes one
     more keyword argument, ``find_group_within`` (item 12)."""
-    return type(base.__name__, (_SettledState, PacksParts, base), {"__module__": __name__})
+    (averager,) = base.__bases__
+    bases = (_SettledState, PacksParts, base, _receiving(averager))
+    return type(base.__name__, bases, {"__module__": __name__})
 
 
 def lock_updates(state_averager: Any, optimizer: torch.optim.Optimizer) -> list[Any]:

@@ -651,7 +651,7 @@ def test_a_peer_behind_an_epoch_that_no_donor_serves_trains_on_instead_of_downlo
             def counted_download(**kwargs):
                 downloads.append(1)
                 result = download(**kwargs)
-                kept.append(opt.state_averager.kept_download)
+                kept.append(opt.state_averager.donor_answered)
                 return result
 
             opt.load_state_from_peers = counted_download

@@ -567,11 +567,11 @@ def test_a_download_one_epoch_behind_the_swarm_keeps_the_epoch_number_of_its_sta
         donor.shutdown()
 
 
-def _step_while_at_epoch_0(opt: hivemind.Optimizer, seconds: float) -> int:
-    """Steps of ``opt`` on gradients of ones, 50 ms apart, until it leaves epoch 0 or ``seconds`` pass;
+def _step_while_at(opt: hivemind.Optimizer, epoch: int, seconds: float) -> int:
+    """Steps of ``opt`` on gradients of ones, 50 ms apart, until it leaves ``epoch`` or ``seconds`` pass;
     returns how many."""
     deadline, steps = time.monotonic() + seconds, 0
-    while time.monotonic() < deadline and opt.local_epoch == 0:
+    while time.monotonic() < deadline and opt.local_epoch == epoch:
         for p in opt.state_averager.main_parameters:
             p.grad = torch.ones_like(p)
         opt.step()
@@ -614,7 +614,7 @@ def test_a_peer_that_refused_the_only_donor_ahead_trains_on_instead_of_downloadi
             opt.load_state_from_peers = lambda **kwargs: downloads.append(1) or download(**kwargs)
             assert wait_until(lambda: opt.tracker.global_epoch == 50, timeout=20), opt.tracker.global_progress
 
-            steps = _step_while_at_epoch_0(opt, 30.0 if patched else 10.0)
+            steps = _step_while_at(opt, 0, 30.0 if patched else 10.0)
             assert refusals and "ahead of every other peer's" in refusals[0], refusals
             if patched:
                 assert opt.local_epoch == 1, (opt.local_epoch, opt.tracker.global_progress)
@@ -628,16 +628,18 @@ def test_a_peer_that_refused_the_only_donor_ahead_trains_on_instead_of_downloadi
 
 
 @PLAIN_OR_PATCHED
+@pytest.mark.parametrize("own", [0, 5], ids=["donor at A's epoch", "donor behind A"])
 def test_a_peer_behind_an_epoch_that_no_donor_serves_trains_on_instead_of_downloading_at_every_step(
-    dhts, patched
+    dhts, patched, own
 ):
     """Item 25. A peer C that is no donor reports epoch 10^6 in its progress record; donor D serves the state
-    of epoch 0, A's own. hivemind puts the swarm at C's epoch, and at every step A finds itself behind,
-    downloads D's state, is still behind, and returns before accumulating anything: A never leaves epoch 0.
-    With decide_downloads_after_refusals, A downloads once, counts C at its own epoch, and trains on: its
-    round with nobody fails and it steps on its own gradient to epoch 1."""
+    of epoch 0, A's own or older than A's (then hivemind drops it and A keeps its own). hivemind puts the
+    swarm at C's epoch, and at every step A finds itself behind, downloads D's state, is still behind, and
+    returns before accumulating anything: A never leaves its epoch. With decide_downloads_after_refusals, A
+    downloads once, counts C at its own epoch, and trains on: its round with nobody fails and it steps on its
+    own gradient to the next epoch."""
     node_c, node_d, node_a = dhts(3)
-    run = f"pytest-rounds-unserved-claim-{patched}"
+    run = f"pytest-rounds-unserved-claim-{patched}-{own}"
     torch.manual_seed(0)
     (donor,) = _state_averagers([node_d], [torch.nn.Linear(4, 3)], f"{run}_state_averager")
     claimer = ProgressTracker(node_c, run, target_batch_size=8, private_key=RSAPrivateKey(), start=True)
@@ -655,16 +657,19 @@ def test_a_peer_behind_an_epoch_that_no_donor_serves_trains_on_instead_of_downlo
                 return result
 
             opt.load_state_from_peers = counted_download
+            opt.state_averager.local_epoch = own
+            with opt.tracker.pause_updates():
+                opt.tracker.update_epoch(own)
             claimed = wait_until(lambda: opt.tracker.global_epoch == 10**6, timeout=20)
             assert claimed, opt.tracker.global_progress
 
-            steps = _step_while_at_epoch_0(opt, 30.0 if patched else 10.0)
-            assert kept and all(kept), kept  # every download got D's state: D served, C did not
+            steps = _step_while_at(opt, own, 30.0 if patched else 10.0)
+            assert kept and all(kept), kept  # every download got D's answer: D served, C did not
             if patched:
-                assert opt.local_epoch == 1, (opt.local_epoch, opt.tracker.global_progress)
+                assert opt.local_epoch == own + 1, (opt.local_epoch, opt.tracker.global_progress)
                 assert len(downloads) == 1, (len(downloads), steps)
             else:
-                assert opt.local_epoch == 0 and opt.tracker.global_epoch == 10**6
+                assert opt.local_epoch == own and opt.tracker.global_epoch == 10**6
                 assert len(downloads) >= steps // 2 and steps >= 20, (len(downloads), steps)
     finally:
         claimer.shutdown()

@@ -133,6 +133,22 @@ def _demo_invites(cfg: ExperimentConfig, names: list[str]) -> dict[str, str]:
     return paths
 
 
+def _wait_for_peers(peers: dict[str, Child], poll: float = 0.5) -> dict[str, int]:
+    """Each peer's exit code once it ends; stops waiting when one fails while others run (they wait for it
+    with --min-peers): the caller then stops the rest."""
+    codes: dict[str, int] = {}
+    while len(codes) < len(peers):
+        for name, child in peers.items():
+            code = child.proc.poll()
+            if name not in codes and code is not None:
+                codes[name] = code
+                if code != 0 and len(codes) < len(peers):
+                    log.error("%s exited with code %d before the others; stopping the demo", name, code)
+                    return codes
+        time.sleep(poll)
+    return codes
+
+
 def run_demo(cfg: ExperimentConfig, config_name: str, n_peers: int, invite_only: bool = True) -> int:
     """Start a monitor and ``n_peers`` training peers on 127.0.0.1; 0 if every peer finished cleanly.
     Invite-only unless ``invite_only`` is false: every peer uses ``cfg.swarm.invite``, or an invite of its own
@@ -181,11 +197,16 @@ def run_demo(cfg: ExperimentConfig, config_name: str, n_peers: int, invite_only:
                 "/ip4/127.0.0.1/tcp/0",
                 "--threads",
                 "1",
+                # started together, they take their first step together: a peer that comes up a few seconds
+                # before the others would otherwise train alone at 10 global epochs a second (a fresh clone's
+                # demo: 55 of its 160 epochs, val acc 0.875 at the end)
+                "--min-peers",
+                str(n_peers),
             ]
             if cfg.train.max_epochs is not None:
                 cmd += ["--max-epochs", str(cfg.train.max_epochs)]
             procs[name] = _start(name, cmd)
-        codes.update({name: procs[name].proc.wait() for name in names})
+        codes.update(_wait_for_peers({name: procs[name] for name in names}))
     except KeyboardInterrupt:
         interrupted = True
         print("\nInterrupted: stopping every peer of the demo ...", flush=True)

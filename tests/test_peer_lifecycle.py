@@ -362,3 +362,23 @@ def test_a_demo_stopped_by_sigterm_stops_its_peers_first(peers, tmp_path):
             if group_members(child):
                 os.killpg(child, signal.SIGKILL)
     assert "Interrupted: stopping every peer of the demo" in demo.output()
+
+
+def test_the_demo_stops_waiting_for_its_peers_when_one_fails_while_the_others_run():
+    """The demo's peers wait for each other before their first step (--min-peers): a peer that fails at start
+    would keep the others waiting forever, so the demo stops waiting at the first failure while others run
+    (and then stops them); peers that end cleanly are waited for."""
+    from peer.demo import _wait_for_peers
+    from swarm.procs import Child
+
+    python = [sys.executable, "-c"]
+    clean = {"a": Child("a", [*python, "pass"]), "b": Child("b", [*python, "import time; time.sleep(1)"])}
+    assert _wait_for_peers(clean, poll=0.05) == {"a": 0, "b": 0}
+    waiting = Child("waiting", [*python, "import time; time.sleep(60)"])
+    failed = Child("failed", [*python, "raise SystemExit(3)"])
+    try:
+        started = time.monotonic()
+        assert _wait_for_peers({"waiting": waiting, "failed": failed}, poll=0.05) == {"failed": 3}
+        assert time.monotonic() - started < 30 and waiting.proc.poll() is None
+    finally:
+        waiting.stop(grace=5.0)

@@ -104,16 +104,17 @@ def swarm_epoch(status: SwarmStatus) -> tuple[int, list[tuple[str, int]]]:
 
     progress = [p for p in status.progress if not p.client_mode]
     metrics_epochs = [r.global_epoch for r in status.records]
+    claimed = [
+        p for p in progress if p.epoch > max([q.epoch for q in progress if q is not p] + metrics_epochs) + 1
+    ] if len(progress) + len(metrics_epochs) > 1 else []  # fmt: skip
     claims = []
-    for p in progress:
-        rest = [q.epoch for q in progress if q is not p] + metrics_epochs
-        if rest and p.epoch > max(rest) + 1:
-            try:
-                peer = PeerID(p.peer_id).to_base58()
-            except Exception:  # a malformed PeerID in a record that passed hivemind's schema
-                peer = "?"
-            claims.append((peer, p.epoch))
-    kept = [p.epoch for p in status.progress if (p.epoch not in {e for _, e in claims}) or p.client_mode]
+    for p in claimed:
+        try:
+            peer = PeerID(p.peer_id).to_base58()
+        except Exception:  # a malformed PeerID in a record that passed hivemind's schema
+            peer = "?"
+        claims.append((peer, p.epoch))
+    kept = [p.epoch for p in status.progress if all(p is not c for c in claimed)]
     return max(kept + metrics_epochs, default=0), claims
 
 

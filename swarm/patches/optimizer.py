@@ -230,9 +230,10 @@ def decide_downloads_after_refusals(opt: Any) -> None:
 
     Item 25: a progress record may claim any epoch (a peer that is no donor, or serves an older state than it
     claims). hivemind downloads from the newest donor, keeps that state, finds itself behind the claim again
-    and downloads at every step. The records are read just before each download; once a donor answered the
-    download (its state arrived and stands, applied or older than this peer's own) and this peer is still
-    more than one epoch behind one of them, that record's peer is counted at this peer's epoch for
+    and downloads at every step. Once a donor answered a download (its state arrived and stands, applied or
+    older than this peer's own) and this peer is still more than one epoch behind the swarm's epoch, the
+    records are read again, and the peer of each record still more than one epoch ahead is counted at this
+    peer's epoch for
     ``UNSERVED_FOR`` seconds (one epoch behind is left to item 13: a donor that stepped while this peer
     downloaded); a download that no donor answered marks nobody, so a newcomer still downloads until it holds
     the swarm's state."""
@@ -257,12 +258,14 @@ def decide_downloads_after_refusals(opt: Any) -> None:
         return False
 
     def load_marking_unserved_claims(**kwargs: Any) -> Any:
-        claims = progress.claimed_epochs(tracker)
         result = load(**kwargs)
         held = opt.local_epoch
         # one epoch ahead: a donor that stepped while this peer downloaded (item 13 downloads again)
-        ahead = {peer: epoch for peer, epoch in claims.items() if epoch > held + 1 and not discounted(peer)}
-        if averager.donor_answered and ahead:
+        if not averager.donor_answered or tracker.global_epoch <= held + 1:
+            return result
+        claims = progress.claimed_epochs(tracker).items()
+        ahead = {peer: epoch for peer, epoch in claims if epoch > held + 1 and not discounted(peer)}
+        if ahead:
             now = marked[0] = time.monotonic()
             for peer, epoch in ahead.items():
                 unserved[peer] = now + UNSERVED_FOR

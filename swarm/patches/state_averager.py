@@ -32,8 +32,8 @@ member of a state round takes the largest epoch it gathered, whatever its size.
   contradict is undone and taken from the next donor instead. :func:`state_sketch` is what peers compare.
 - item 24: a refused donor's epoch does not make this peer download again (``refused_donors``, read by
   swarm/patches/optimizer.py ``decide_downloads_after_refusals``).
-- item 25: a download notes whether a donor answered it (``donor_answered``): a state arrived (the epoch of
-  what hivemind's ``DecentralizedAverager.load_state_from_peers`` returned to ``TrainingStateAverager``,
+- item 25: a download notes whether a donor answered it (``donor_answered``): a state arrived (hivemind's
+  ``DecentralizedAverager.load_state_from_peers`` returned one to ``TrainingStateAverager``,
   state_averager.py:667-674) and neither the screen nor the check undid it; hivemind applies it, or keeps
   this peer's own state where the donor's is older.
 
@@ -152,7 +152,7 @@ class _SettledState:
         self.on_rejected: Any = None
         self.held_epoch: int | None = None  # item 13: the epoch of the state the last download left here
         self.donor_answered = False  # item 25: a donor's state arrived in the last download, and stands
-        self._swarm_received: int | None = None  # item 25: the epoch of the state that arrived (_Receiving)
+        self._swarm_received = False  # item 25: a state arrived in the download under way (_receiving)
         # item 23: a swarm.averaging.donors.DonorCheck, set by the strategy (None: any donor, unchecked); told
         # of refused donors through on_refused(donor, reason); the donors refused lately (base58 -> until)
         self.check_download: Any = None
@@ -389,9 +389,9 @@ class _SettledState:
             hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         epoch = self.local_epoch
         self._swarm_own_hyper = hyper  # put back before hivemind's scheduler catches up (_update_scheduler)
-        self._swarm_received = None
+        self._swarm_received = False
         result = super().load_state_from_peers(**kwargs)
-        received = self._swarm_received is not None
+        received = self._swarm_received
         reason = refused = None
         with torch.no_grad(), self.lock_averaged_tensors:
             self._restore_own_hyper()  # a download that ended before the scheduler's catch-up
@@ -485,17 +485,15 @@ class _SettledState:
 
 
 def _receiving(averager: type) -> type:
-    """``averager`` (hivemind's DecentralizedAverager) noting the epoch of each downloaded state that its
-    ``load_state_from_peers`` returns (item 25): placed between TrainingStateAverager and it in the class
+    """``averager`` (hivemind's DecentralizedAverager) noting whether its ``load_state_from_peers`` returned a
+    downloaded state (item 25): placed between TrainingStateAverager and it in the class
     order, it sees what hivemind's TrainingStateAverager.load_state_from_peers receives
     (state_averager.py:667) before that method applies the state, or drops it as older than this peer's own
     (state_averager.py:672)."""
 
     def load_state_from_peers(self: Any, *args: Any, **kwargs: Any) -> Any:
         loaded = super(receiving, self).load_state_from_peers(*args, **kwargs)
-        if isinstance(loaded, tuple) and loaded and isinstance(loaded[0], dict):
-            epoch = loaded[0].get("epoch")
-            self._swarm_received = epoch if isinstance(epoch, int) else -1
+        self._swarm_received = self._swarm_received or isinstance(loaded, tuple)
         return loaded
 
     receiving = type(averager.__name__, (averager,), {"load_state_from_peers": load_state_from_peers})

@@ -447,16 +447,19 @@ class _SettledState:
     async def _declare_for_download_periodically(self: Any) -> None:
         """hivemind's loop that declares this peer a donor of its state in the DHT (averager.py:600-625),
         storing a changed priority at most once per ``DECLARE_EVERY`` seconds (item 18). Switching sharing
-        on or off is stored at once. Runs in the averager process."""
+        on or off is stored at once, also while a store is under way. Runs in the averager process."""
         from hivemind.utils import get_dht_time
 
         download_key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
         sharing_was_allowed = self.allow_state_sharing
         while True:
             expiration_time = get_dht_time() + self.declare_state_period
-            if self.allow_state_sharing or sharing_was_allowed:
+            # the flag is read once: hivemind reads it again after the store, so sharing switched off while it
+            # stored was never stored (the record stayed until it expired, declare_state_period later)
+            allowed = self.allow_state_sharing
+            if allowed or sharing_was_allowed:
                 # the priority (the epoch) is read now: a store that waited carries the newest one
-                value = self.state_sharing_priority if self.allow_state_sharing else None
+                value = self.state_sharing_priority if allowed else None
                 store = self.dht.store(
                     download_key,
                     subkey=self.peer_id.to_bytes(),
@@ -465,7 +468,7 @@ class _SettledState:
                     return_future=True,
                 )
                 asyncio.create_task(asyncio.wait_for(store, timeout=expiration_time - get_dht_time()))
-                sharing_was_allowed = self.allow_state_sharing
+                sharing_was_allowed = allowed
             stored = time.monotonic()
             self._state_updated.clear()
             try:

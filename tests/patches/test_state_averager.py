@@ -636,19 +636,28 @@ def test_a_donor_stores_its_changed_epoch_at_most_once_per_declare_every(request
 
     On plain hivemind each change is stored at once: 0, 1, 2, 3. The swarm's state averager stores a changed
     priority at most every DECLARE_EVERY (8 s here), reading it when it stores: 0, then 3, at least 8 s after
-    the first. Switching sharing off is stored at once either way (within DECLARE_EVERY less 1 s: 7 s here, so
-    that an averager process starved for seconds, as in one fresh-clone suite where the store had not come
-    after 4 s, is not taken for a throttled one)."""
+    the first.
+
+    Sharing is then switched off while the donor stores 3 (its averager process holds in that store until the
+    switch is made). hivemind reads the flag again after the store (averager.py:605-618), takes the switch as
+    stored, and never stores it: the record of 3 stays until it expires (30 s). The swarm's averager stores it
+    at once (within DECLARE_EVERY less 1 s: 7 s here, so that an averager process starved for seconds, as in
+    one fresh-clone suite where the store had not come after 4 s, is not taken for a throttled one). A suite
+    once saw plain hivemind miss the switch without the hold: the test had switched within those
+    microseconds."""
     declare_every = 8.0
     # set before the fork: the averager process reads it
     monkeypatch.setattr(state_averager, "DECLARE_EVERY", declare_every)
     (node,) = _nodes(request, patched, 1)
     stores = mp.get_context("fork").SimpleQueue()
+    switched_off = mp.get_context("fork").Event()
     store = node.store
 
     def noted_store(key, *args, **kwargs):  # runs in the averager process
         if key.endswith(".all_averagers"):
             stores.put((kwargs.get("value"), time.monotonic()))
+            if kwargs.get("value") == 3.0:  # the store of 3 holds until sharing is switched off
+                switched_off.wait(timeout=20)
         return store(key, *args, **kwargs)
 
     node.store = noted_store  # the averager process is forked with it
@@ -683,9 +692,14 @@ def test_a_donor_stores_its_changed_epoch_at_most_once_per_declare_every(request
             assert values() == [0.0, 1.0, 2.0, 3.0], values()
         switched = time.monotonic()
         donor.allow_state_sharing = False
-        assert wait_until(lambda: stored(None), timeout=declare_every - 1.0, interval=0.02)
-        assert noted[-1][1] - switched < declare_every - 1.0
+        switched_off.set()
+        if patched:
+            assert wait_until(lambda: stored(None), timeout=declare_every - 1.0, interval=0.02)
+            assert noted[-1][1] - switched < declare_every - 1.0
+        else:
+            assert not wait_until(lambda: stored(None), timeout=3.0, interval=0.02), values()
     finally:
+        switched_off.set()
         donor.shutdown()
 
 

@@ -43,10 +43,23 @@ def peers(request, tmp_path):
     for peer in registry:
         (kept / f"{peer.name}.log").write_text(peer.output())
     leftovers = {p.name: group_members(p.pgid) for p in registry if group_members(p.pgid)}
-    sockets = stale_sockets(since=started)
+    sockets = _lasting_stale_sockets(since=started)
     remove_stale_sockets(since=started)
     assert not leftovers, f"processes outlived the test: {leftovers}"
     assert not sockets, f"socket files outlived the test: {sockets}"
+
+
+def _lasting_stale_sockets(since: float, wait: float = 5.0) -> list[str]:
+    """hivemind socket files newer than ``since`` that no process is bound to and that nobody removes within
+    ``wait`` seconds. With the suite spread over workers (pytest-xdist), a test that runs beside this one may
+    have just stopped a p2p daemon whose owner removes its socket files a moment later: those are not this
+    test's leftovers. A socket file that this test's processes left stays, and is reported."""
+    stale = set(stale_sockets(since=since))
+    deadline = time.time() + wait
+    while stale and time.time() < deadline:
+        time.sleep(0.2)
+        stale &= set(stale_sockets(since=since))
+    return sorted(stale)
 
 
 def _dht_nodes(started: float, cls: type = hivemind.DHT):

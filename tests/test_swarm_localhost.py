@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import socket
 
+import pytest
+
 from swarm.averaging import donors
 from swarm.net.invite import load_or_create_owner_key, make_invite
 from swarm.procs import group_members
@@ -38,6 +40,7 @@ def _port_closed(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
+@pytest.mark.first
 def test_peers_train_together(peers, tmp_path):
     owner, _ = load_or_create_owner_key(tmp_path / "owner.pem")
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -291,6 +294,56 @@ def _zombie(pid: int) -> bool:
     except OSError:
         return True
     return text[text.rfind(")") + 2] == "Z"
+
+
+def test_removing_stale_sockets_spares_live_ones_that_a_busy_socket_table_skips():
+    """/proc/net/unix is read a page at a time, and while other sockets come and go a read skips live
+    entries. 200 sockets named like hivemind's listen while a thread binds and closes 100 others again and
+    again; 5 s of ``remove_stale_sockets`` removes the closed ones' files and never a listening one's.
+    (Before, a file missing from the table counted as stale: a fresh-clone suite saw an averager's socket
+    deleted, and every download from that peer failed with "Connection lost".)"""
+    from swarm.procs import remove_stale_sockets
+
+    started = time.time()
+    tag = f"/tmp/hivemind-p2ptest-{os.getpid()}"
+    live = []
+    done = threading.Event()
+
+    def churn() -> None:
+        while not done.is_set():
+            closed = []
+            for j in range(100):
+                path = f"{tag}-churn-{j}.sock"
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                sock = socket.socket(socket.AF_UNIX)
+                sock.bind(path)
+                closed.append(sock)
+            for sock in closed:
+                sock.close()
+
+    churner = threading.Thread(target=churn)
+    try:
+        for i in range(200):
+            sock = socket.socket(socket.AF_UNIX)
+            sock.bind(f"{tag}-{i}.sock")
+            sock.listen()
+            live.append(sock)
+        churner.start()
+        removed = 0
+        while time.time() - started < 5.0:
+            removed += remove_stale_sockets(since=started)
+        assert removed > 0, "the closed sockets' files were removed"
+        gone = [i for i in range(200) if not os.path.exists(f"{tag}-{i}.sock")]
+        assert not gone, f"{len(gone)} listening sockets' files were deleted"
+    finally:
+        done.set()
+        if churner.is_alive():
+            churner.join()
+        for sock in live:
+            sock.close()
+        for path in glob.glob(f"{tag}-*.sock"):
+            os.unlink(path)
 
 
 def test_a_p2p_daemon_that_removed_its_control_socket_counts_as_gone(tmp_path):

@@ -56,11 +56,13 @@ def peers(request, tmp_path):
     assert not sockets, f"socket files outlived the test: {sockets}"
 
 
-def _lasting_stale_sockets(since: float, wait: float = 5.0) -> list[str]:
+def _lasting_stale_sockets(since: float, wait: float = 30.0) -> list[str]:
     """hivemind socket files newer than ``since`` that no process is bound to and that nobody removes within
-    ``wait`` seconds. With the suite spread over workers (pytest-xdist), a test that runs beside this one may
-    have just stopped a p2p daemon whose owner removes its socket files a moment later: those are not this
-    test's leftovers. A socket file that this test's processes left stays, and is reported."""
+    ``wait`` seconds. With the suite spread over two workers (pytest-xdist), a test that runs beside this one
+    may be stopping a peer: the group's SIGTERM can end its p2p daemon at once, and the peer removes the
+    daemon's socket file when it has left, up to its 15 s grace (and a SIGKILL's clean-up) later; a
+    fresh-clone suite saw two such files still there after 5 s. Those are not this test's leftovers. A socket
+    file that this test's processes left stays, and is reported."""
     stale = set(stale_sockets(since=since))
     deadline = time.time() + wait
     while stale and time.time() < deadline:

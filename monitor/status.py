@@ -104,9 +104,11 @@ def swarm_epoch(status: SwarmStatus) -> tuple[int, list[tuple[str, int]]]:
 
     progress = [p for p in status.progress if not p.client_mode]
     metrics_epochs = [r.global_epoch for r in status.records]
-    claimed = [
-        p for p in progress if p.epoch > max([q.epoch for q in progress if q is not p] + metrics_epochs) + 1
-    ] if len(progress) + len(metrics_epochs) > 1 else []  # fmt: skip
+
+    def others(p: Any) -> list[int]:
+        return [q.epoch for q in progress if q is not p] + metrics_epochs
+
+    claimed = [p for p in progress if (rest := others(p)) and p.epoch > max(rest) + 1]
     claims = []
     for p in claimed:
         try:

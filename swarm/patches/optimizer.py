@@ -233,10 +233,9 @@ def decide_downloads_after_refusals(opt: Any) -> None:
     and downloads at every step. Once a donor answered a download (its state arrived and stands, applied or
     older than this peer's own) and this peer is still more than one epoch behind the swarm's epoch, the
     records are read again, and the peer of each record still more than one epoch ahead is counted at this
-    peer's epoch for
-    ``UNSERVED_FOR`` seconds (one epoch behind is left to item 13: a donor that stepped while this peer
-    downloaded); a download that no donor answered marks nobody, so a newcomer still downloads until it holds
-    the swarm's state."""
+    peer's epoch for ``UNSERVED_FOR`` seconds (one epoch behind is left to item 13: a donor that stepped while
+    this peer downloaded); a download that no donor answered marks nobody, so a newcomer still downloads until
+    it holds the swarm's state."""
     averager, tracker = opt.state_averager, opt.tracker
     unserved: dict[str, float] = {}  # item 25: peer (base58) -> until (time.monotonic)
     marked = [-math.inf]  # when unserved claims were last marked

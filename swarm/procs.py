@@ -369,11 +369,16 @@ class Child:
         self.started = time.time()
         self.lines: list[str] = []
         self.times: list[float] = []  # when each line was read (wall clock, as in the peers' summaries)
-        self.proc = start_group(
-            self.cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-        )
+        self.proc = self._start(env)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+
+    def _start(self, env: dict[str, str] | None) -> Any:
+        """The process (a ``subprocess.Popen``, or an object with its ``pid``, ``stdout``, ``poll``, ``wait``,
+        ``returncode`` and ``send_signal``) leading a new process group, its output on ``stdout``."""
+        return start_group(
+            self.cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
 
     def _read(self) -> None:
         assert self.proc.stdout is not None

@@ -13,7 +13,7 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 from swarm import patches
 from swarm.procs import group_members, remove_stale_sockets, stale_sockets
-from tests.helpers import PeerProcess
+from tests.helpers import PeerProcess, Zygote
 
 
 def pytest_collection_modifyitems(config, items):
@@ -21,6 +21,13 @@ def pytest_collection_modifyitems(config, items):
     which hand tests out in this order: the longest test, last in file order, started as the other worker ran
     out of tests and ended the suite alone (the last 50 s of 643)."""
     items.sort(key=lambda item: item.get_closest_marker("first") is None)  # stable: the rest keep their order
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _zygote():
+    """The zygote that forks the tests' peers (tests/zygote.py) ends with the session."""
+    yield
+    Zygote.close()
 
 
 @pytest.fixture(autouse=True)

@@ -105,7 +105,9 @@ def test_sigterm_and_sigint_leave_cleanly(peers, tmp_path):
     # the survivor keeps training alone, then Ctrl-C stops it just as cleanly
     seen = len(first.lines)
     wait_until(lambda: any("| epoch" in line for line in first.lines[seen:]), timeout=60, interval=0.5)
-    assert any("| epoch" in line for line in first.lines[seen:]), first.output()[-3000:]
+    assert any("| epoch" in line for line in first.lines[seen:]), (
+        first.output()[-3000:] + "\n--- stacks (SIGUSR1) ---\n" + first.stacks()
+    )
     code, seconds = _signal_group_and_time_exit(first, signal.SIGINT, limit=10)
     assert code == 0, first.output()[-3000:]
     assert seconds < 10, f"SIGINT took {seconds:.1f}s\n" + first.output()[-5000:]

@@ -12,8 +12,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 from swarm import patches
+from swarm.net.node import lean_daemon_env
 from swarm.procs import group_members, remove_stale_sockets, stale_sockets
 from tests.helpers import PeerProcess, Zygote
+
+lean_daemon_env()  # the p2p daemons of the tests' own hivemind nodes run as the product's do
 
 
 def pytest_collection_modifyitems(config, items):

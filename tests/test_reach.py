@@ -11,13 +11,14 @@ import json
 import logging
 import socket
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from google.protobuf.wrappers_pb2 import BytesValue
 
 from swarm.config import SwarmConfig
 from swarm.net import reach
-from swarm.net.node import start_node
+from swarm.net.node import DAEMON_ENV, start_node
 from swarm.procs import remove_stale_sockets
 from tests.helpers import PeerProcess, read_summary, synced_epochs
 
@@ -151,3 +152,35 @@ def test_two_peers_behind_firewalls_train_through_a_public_one(peers, tmp_path):
         # ... and so held the public peer's parameters
         common_epochs, equal = synced_epochs(summaries["public"], summaries[name], rel=1e-6)
         assert len(common_epochs) >= 5 and equal, (name, common_epochs, equal)
+
+
+def _daemon_environment(dht_pid: int) -> dict[str, str]:
+    """The environment of the p2p daemon that the DHT process ``dht_pid`` started."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            comm, ppid = text[text.find("(") + 1 : text.rfind(")")], int(text.rsplit(")", 1)[1].split()[1])
+            if comm == "p2pd" and ppid == dht_pid:
+                raw = (stat.parent / "environ").read_bytes()
+                return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+        except (OSError, ValueError):
+            continue
+    raise AssertionError(f"no p2p daemon is a child of the DHT process {dht_pid}")
+
+
+def test_the_p2p_daemon_runs_on_one_thread_with_a_lazier_garbage_collector_unless_the_user_says(monkeypatch):
+    monkeypatch.delenv("GOMAXPROCS", raising=False)
+    monkeypatch.setenv("GOGC", "150")  # the user's value wins
+    node = start_node(SwarmConfig(host_maddrs=LOOPBACK, run_id="daemon-env"))
+    try:
+        env = _daemon_environment(node.dht.pid)
+        assert env.get("GOMAXPROCS") == "1" and env.get("GOGC") == "150", {k: env.get(k) for k in DAEMON_ENV}
+    finally:
+        node.stop()
+    monkeypatch.delenv("GOGC")
+    node = start_node(SwarmConfig(host_maddrs=LOOPBACK, run_id="daemon-env"))
+    try:
+        env = _daemon_environment(node.dht.pid)
+        assert {k: env.get(k) for k in DAEMON_ENV} == DAEMON_ENV == {"GOMAXPROCS": "1", "GOGC": "400"}
+    finally:
+        node.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -28,6 +29,20 @@ if TYPE_CHECKING:
     from swarm.net.fence import Fence, MemberKeeper
 
 log = logging.getLogger(__name__)
+
+
+# The p2p daemon (Go) with one OS thread running Go code and a garbage collection when its heap has grown 4x,
+# not 2x: it spends its CPU on many small messages (DHT requests, round control), and those defaults cost a
+# volunteer's small CPU about a quarter of the daemon's share (docs/benchmarks.md, "The p2p daemon's CPU").
+# A value already in the environment wins.
+DAEMON_ENV = {"GOMAXPROCS": "1", "GOGC": "400"}
+
+
+def lean_daemon_env() -> None:
+    """Put :data:`DAEMON_ENV` into this process's environment (where not set), which hivemind passes to every
+    p2p daemon it starts from now on: the DHT's, and the reachability probe's (started by the DHT process)."""
+    for name, value in DAEMON_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 class SwarmConnectionError(RuntimeError):
@@ -197,6 +212,7 @@ def start_node(
 def _start(
     cfg: SwarmConfig, record_validators: Sequence, invite: Invite | None, restarted: bool = False
 ) -> SwarmNode:
+    lean_daemon_env()
     kwargs = dict(
         initial_peers=list(cfg.initial_peers),
         host_maddrs=list(cfg.host_maddrs),

@@ -28,13 +28,19 @@ SHUTDOWN_GRACE_S = 5.0
 SOCKET_GLOB = "/tmp/hivemind-p2p*.sock"
 
 
-def start_group(cmd: Sequence[str], env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
-    """Start ``cmd`` as the leader of a new process group (session), with one thread per process."""
+def group_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) for a child of :func:`start_group`: one thread per process unless
+    set, and unbuffered output."""
     full_env = dict(os.environ if env is None else env)
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env.setdefault("MKL_NUM_THREADS", "1")
     full_env["PYTHONUNBUFFERED"] = "1"
-    return subprocess.Popen(list(cmd), env=full_env, start_new_session=True, **kwargs)
+    return full_env
+
+
+def start_group(cmd: Sequence[str], env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+    """Start ``cmd`` as the leader of a new process group (session), with one thread per process."""
+    return subprocess.Popen(list(cmd), env=group_env(env), start_new_session=True, **kwargs)
 
 
 def group_alive(pgid: int) -> bool:

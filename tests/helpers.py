@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from swarm import layout
-from swarm.procs import Child, group_members, remove_stale_sockets
+from swarm.procs import Child, group_env, group_members, remove_stale_sockets, start_group
 from swarm.waiting import wait_until
 
 EPOCH_RE = re.compile(r"\| epoch (\d+) \|")
@@ -38,12 +38,9 @@ class Zygote:
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        self.server = subprocess.Popen(
+        self.server = start_group(
             [sys.executable, str(Path(__file__).with_name("zygote.py")), str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
-            env=env,
-            start_new_session=True,
         )
         theirs.close()
         self.sock, self.send_lock = ours, threading.Lock()
@@ -110,18 +107,19 @@ class ForkedPeer:
         self.pid, self.stdout, self.zygote, self.args = pid, stdout, zygote, args
         self.returncode: int | None = None
 
-    def poll(self) -> int | None:
-        return self.wait(timeout=0) if self.returncode is None else self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
+    def poll(self, timeout: float | None = 0) -> int | None:
+        """The exit code once the process has ended (within ``timeout``), else None."""
         if self.returncode is None:
             status = self.zygote.status(self.pid, timeout)
-            if status is None:
-                if timeout == 0:
-                    return None  # type: ignore[return-value]
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            self.returncode = os.waitstatus_to_exitcode(status)
+            if status is not None:
+                self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self.poll(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return code
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -154,10 +152,7 @@ class PeerProcess(Child):
     def _start(self, env: dict[str, str] | None):
         if self.launcher is not None:
             return super()._start(env)
-        full = dict(os.environ if env is None else env)
-        full.update(OMP_NUM_THREADS=full.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
-        full.setdefault("MKL_NUM_THREADS", "1")
-        return Zygote.get().spawn(self.args, full, os.getcwd())
+        return Zygote.get().spawn(self.args, group_env(env), os.getcwd())
 
     def epoch(self) -> int:
         """The global epoch of this peer's latest progress line (-1 before the first)."""

@@ -69,8 +69,27 @@ def reap(sock: socket.socket, children: set[int]) -> None:
             sock.send(pickle.dumps(("exit", pid, status)))
 
 
+def fresh_process_locks() -> None:
+    """Give this forked peer the process-wide locks that a fresh interpreter creates when it imports hivemind.
+
+    hivemind makes them at import (``multiprocessing.Lock``, a semaphore in shared memory): ``MPFuture``'s
+    initialisation and pipe-update locks, ``SharedBytes``' lock (utils/mpfuture.py:40, 82-83) and the async
+    context executor's lock (utils/asyncio.py:171). Inherited from the zygote, one lock would be shared by
+    every peer it forks: a peer killed while holding it (SIGKILL in a fault test) left the next peer's DHT
+    process waiting for it forever, in ``MPFuture._send_update``. ``reset_backend`` is hivemind's own way to
+    renew the first three."""
+    import multiprocessing as mp
+
+    from hivemind.utils.asyncio import _AsyncContextWrapper
+    from hivemind.utils.mpfuture import MPFuture
+
+    MPFuture.reset_backend()
+    _AsyncContextWrapper.EXECUTOR_LOCK = mp.Lock()
+
+
 def run_peer(request: dict, out: int) -> None:
     os.setsid()
+    fresh_process_locks()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(out, 1)

@@ -75,9 +75,9 @@ def fresh_process_locks() -> None:
     hivemind makes them at import (``multiprocessing.Lock``, a semaphore in shared memory): ``MPFuture``'s
     initialisation and pipe-update locks, ``SharedBytes``' lock (utils/mpfuture.py:40, 82-83) and the async
     context executor's lock (utils/asyncio.py:171). Inherited from the zygote, one lock would be shared by
-    every peer it forks: a peer killed while holding it (SIGKILL in a fault test) left the next peer's DHT
-    process waiting for it forever, in ``MPFuture._send_update``. ``reset_backend`` is hivemind's own way to
-    renew the first three."""
+    every peer it forks: a peer killed while holding it (SIGKILL in a fault test) would leave the next
+    peer's DHT process waiting for it forever, in ``MPFuture._send_update``. ``reset_backend`` is hivemind's
+    own way to renew the first three."""
     import multiprocessing as mp
 
     from hivemind.utils.asyncio import _AsyncContextWrapper

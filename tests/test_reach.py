@@ -19,7 +19,7 @@ from google.protobuf.wrappers_pb2 import BytesValue
 from swarm.config import SwarmConfig
 from swarm.net import reach
 from swarm.net.node import DAEMON_ENV, start_node
-from swarm.procs import remove_stale_sockets
+from swarm.procs import descendants, remove_stale_sockets
 from tests.helpers import PeerProcess, read_summary, synced_epochs
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
@@ -156,14 +156,13 @@ def test_two_peers_behind_firewalls_train_through_a_public_one(peers, tmp_path):
 
 def _daemon_environment(dht_pid: int) -> dict[str, str]:
     """The environment of the p2p daemon that the DHT process ``dht_pid`` started."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for pid in descendants(dht_pid):
+        proc = Path(f"/proc/{pid}")
         try:
-            text = stat.read_text()
-            comm, ppid = text[text.find("(") + 1 : text.rfind(")")], int(text.rsplit(")", 1)[1].split()[1])
-            if comm == "p2pd" and ppid == dht_pid:
-                raw = (stat.parent / "environ").read_bytes()
+            if (proc / "comm").read_text().strip() == "p2pd":
+                raw = (proc / "environ").read_bytes()
                 return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
-        except (OSError, ValueError):
+        except OSError:
             continue
     raise AssertionError(f"no p2p daemon is a child of the DHT process {dht_pid}")
 

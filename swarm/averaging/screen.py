@@ -31,7 +31,7 @@ times
   early in training (a limit of 1.5 rejected it). A gradient times -8 in a round of equal weights moves the
   mean 4-4.5 times the reference away, and 8-9 times if it announces most of the samples; at x-4 (2.1-2.5
   times) or less it passes, and the groups of three that it joins clip and ban it (suspects.py); a round of
-  two further than ``PAIR_SUSPECT`` (2) times counts against the other peer there too. A check of
+  two scores the other peer by its distance there too (``PAIR_SUSPECT``, 2 times: a clipped round). A check of
   direction (reject an average pointing against this peer's own gradient) rejected honest rounds too: a
   32-sample peer's noisy gradient had cosine -0.52 with the average of its round with a 224-sample one.
 
@@ -51,6 +51,7 @@ from collections.abc import Sequence
 import torch
 
 from swarm.averaging.guard import all_finite
+from swarm.suspects import SUSPECT_SCALE
 
 
 def total_norm(tensors: Sequence[torch.Tensor]) -> float:
@@ -63,7 +64,7 @@ def total_norm(tensors: Sequence[torch.Tensor]) -> float:
     return float(torch.linalg.vector_norm(torch.stack([n.cpu() for n in norms])))
 
 
-PAIR_SUSPECT = 2.0  # a round of two further than this many times the reference counts against the other
+PAIR_SUSPECT = 2.0  # a round of two this many times the reference away scores the other SUSPECT_SCALE
 PAIR_RADIUS = 3.0  # a round of two: the average within this many times the reference of this peer's gradient
 
 
@@ -103,10 +104,13 @@ class RoundScreen:
         self.in_row = {"gradient": 0, "state": 0, "download": 0}
 
     @property
-    def pair_suspect(self) -> bool:
-        """Whether the last round of two lay far enough from this peer's own gradient to count against the
-        other peer (swarm/suspects.py), rejected or not."""
-        return self.last_pair_distance > PAIR_SUSPECT
+    def pair_scale(self) -> float:
+        """The other peer's scale in the last round of two (swarm/suspects.py): ``SUSPECT_SCALE`` at
+        ``PAIR_SUSPECT`` times the reference from this peer's own gradient, less further away, at most 1."""
+        distance = self.last_pair_distance
+        if not math.isfinite(distance):
+            return 0.0
+        return min(1.0, SUSPECT_SCALE * PAIR_SUSPECT / distance) if distance > 0 else 1.0
 
     @property
     def rejected(self) -> int:

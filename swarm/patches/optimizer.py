@@ -438,7 +438,7 @@ def screen_rounds(opt: Any, screen: Any, on_rejected: Any, own_scale: Any = None
                     averaged, averager.own_gradients, own_scale=scale, group_size=len(group) or None
                 )
             if len(group) == 2:  # the robust rule cannot judge the other of two: this screen does
-                _judge_other(group, opt.dht.peer_id, clipped=reason is not None or screen.pair_suspect)
+                _judge_other(group, opt.dht.peer_id, screen.pair_scale)
             if reason is not None:
                 averager.use_own_gradients()
                 on_rejected("gradient", reason, averager.own_samples)
@@ -460,13 +460,14 @@ def _group_of(control: Any) -> list[Any]:
     return []
 
 
-def _judge_other(group: list[Any], own: Any, clipped: bool) -> None:
-    """A round of two, judged by the screen: one judged round of the other (swarm/suspects.py)."""
+def _judge_other(group: list[Any], own: Any, scale: float) -> None:
+    """A round of two, judged by the screen: one judged round of the other, scaled by ``scale``
+    (swarm/suspects.py)."""
     suspects = robust.suspects()
     if suspects is not None:
         for peer in group:
             if peer != own:
-                suspects.record(str(peer), clipped=clipped)
+                suspects.record(str(peer), scale)
 
 
 def number_steps_by_epoch(state_averager: Any, optimizer: torch.optim.Optimizer) -> Any:

@@ -226,14 +226,19 @@ def score_senders_here() -> None:
 
 def _judge_senders(reducer: Any) -> None:
     """After a round (``reducer`` finished, for a runner that named its senders): each groupmate whose parts
-    this peer reduced gets one judged round, clipped if its parts were scaled by less than SUSPECT_SCALE on
-    average."""
+    this peer reduced gets one judged round: the average scale of its parts. Unless this peer's own parts
+    were clipped too (below SUSPECT_SCALE): then the round's centre was not the honest peers' (two colluding
+    attackers in a group of three are its majority, and the rule scales the honest one down and them not at
+    all), and the round judges nobody."""
     scales, senders = reducer.__dict__.get("sender_scales"), reducer.__dict__.get("sender_peer_ids")
     if not (_SCORING and scales and senders and _suspects is not None):
         return
+    own = [total / count for index, (total, count) in scales.items() if senders[index] == reducer.own_peer_id]
+    if own and own[0] < SUSPECT_SCALE:
+        return
     for index, (total, count) in scales.items():
         if senders[index] != reducer.own_peer_id and count:
-            _suspects.record(str(senders[index]), total / count < SUSPECT_SCALE)
+            _suspects.record(str(senders[index]), total / count)
 
 
 def _targets() -> list[tuple[Any, str, Any]]:

@@ -17,8 +17,8 @@ close to the others as an honest gradient is):
 
 A round scaled below ``SUSPECT_SCALE`` (0.35) is a *clipped round*. One clipped round says little: an honest
 gradient is now and then far from its groupmates' (a batch with the few images the model still gets wrong,
-late in training). In the multi-peer localhost test (4 honest peers, ~800 judged rounds a run) 0.7-2 % of
-the rounds were clipped, the lowest at 0.166, within the range of a gradient times -8; but they came one at a
+late in training). In the multi-peer localhost test (4 honest peers, ~800 judged rounds a run) 0.2-2 % of
+the rounds were clipped, the lowest at 0.083, within the range of a gradient times -8; but they came one at a
 time, between rounds at 1: the average of a peer's last five judged scales (four at first) never fell below
 0.66 in 5 runs (~4,200 judged rounds). An attacker is far from the others round after round: in `bench
 --scenario attack` each honest peer banned a gradient times -8 or -4 among 3 peers after 4-8 judged rounds.

@@ -105,11 +105,11 @@ def test_a_round_of_two_is_judged_by_its_distance_from_the_peers_own_gradient():
 def test_suspects_are_banned_when_far_round_after_round_for_longer_each_time():
     table = suspects.Suspects()
     honest, attacker = "12D3KooWhonest", "12D3KooWattacker"
-    # An honest peer far from the others now and then, as the multi-peer localhost test's peers were (0.7-2 %
-    # of their rounds clipped, down to 0.166, one at a time): two deep rounds among five, again and again, and
+    # An honest peer far from the others now and then, as the multi-peer localhost test's peers were (0.2-2 %
+    # of their rounds clipped, down to 0.083, one at a time): two deep rounds among five, again and again, and
     # each twice in a row once, is never banned
     for i in range(50):
-        assert table.record(honest, {2: 0.29, 4: 0.17}.get(i % 5, 1.0), now=float(i)) is False
+        assert table.record(honest, {2: 0.29, 4: 0.083}.get(i % 5, 1.0), now=float(i)) is False
     for i, scale in enumerate([1.0, 1.0, 1.0, 0.2, 0.17, 1.0]):
         assert table.record(honest, scale, now=50.0 + i) is False
     # a gradient times -8 scaled to 0.08-0.2 in each round: banned at its MIN_JUDGED-th round

@@ -129,8 +129,13 @@ def join(**params: Any) -> None:
 
     setup_logging(params["verbose"])
     from peer.volunteer import run_volunteer  # heavy: torch, timm, lightning, hivemind
+    from swarm.net.node import DHTProcessDied
 
-    summary = run_volunteer(cfg, config_name=params.get("config"))
+    try:
+        summary = run_volunteer(cfg, config_name=params.get("config"))
+    except DHTProcessDied as exc:  # the peer has left; threads still wait on the dead process: no teardown
+        click.echo(f"Error: {exc}", err=True)
+        _exit_quietly(1)
     val = summary.get("final_val") or {}
     click.echo(
         f"Done: global epoch {summary['final_epoch']}, val acc {val.get('acc', float('nan')):.4f}, "

@@ -143,15 +143,28 @@ def _control_socket_open(pid: int) -> bool:
     return True  # no unix control socket named: judged by the process alone
 
 
+def is_p2p_daemon(pid: int) -> bool:
+    """Whether process ``pid`` is a hivemind p2p daemon (p2pd)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == "p2pd"
+    except OSError:
+        return False
+
+
+def p2p_daemons(pid: int | None = None) -> list[int]:
+    """PIDs of the hivemind p2p daemons (p2pd) below process ``pid`` (default: this process)."""
+    return [child for child in descendants(os.getpid() if pid is None else pid) if is_p2p_daemon(child)]
+
+
 def p2p_daemon_alive(pid: int | None = None) -> bool:
     """True if a hivemind p2p daemon (p2pd) still runs below process ``pid`` (default: this process).
 
     Ctrl-C in a terminal signals the whole process group, and p2pd exits on SIGINT. Without it, hivemind's
     graceful shutdown can only fail noisily, so roles check this first and stop their helpers directly.
     """
-    for child in descendants(os.getpid() if pid is None else pid):
+    for child in p2p_daemons(pid):
         try:
-            if Path(f"/proc/{child}/comm").read_text().strip() == "p2pd" and _control_socket_open(child):
+            if _control_socket_open(child):
                 return True
         except OSError:
             continue
@@ -276,7 +289,7 @@ class GracefulStop:
 
     def __init__(self) -> None:
         self.event = threading.Event()
-        self.signal_name: str | None = None
+        self.reason: str | None = None  # why the peer leaves ("Received SIGTERM")
         self._previous: dict[int, Any] = {}
         self._timer: threading.Timer | None = None
         self._disarmed = False
@@ -313,9 +326,17 @@ class GracefulStop:
                 log.info("Received %s again: already leaving", signal.Signals(signum).name)
                 return
             raise KeyboardInterrupt
-        self.signal_name = signal.Signals(signum).name
+        self._begin(f"Received {signal.Signals(signum).name}")
+
+    def request(self, reason: str) -> None:
+        """Leave as on a first signal, for ``reason`` (from any thread; once)."""
+        if not self.event.is_set():
+            self._begin(reason)
+
+    def _begin(self, reason: str) -> None:
+        self.reason = reason
         self.event.set()
-        log.info("Received %s: leaving the swarm after the current step", self.signal_name)
+        log.info("%s: leaving the swarm after the current step", reason)
         # pthread_kill, not raise_signal: only a signal aimed at the main thread interrupts its blocking wait.
         # SIGTERM, not SIGINT: libraries (hivemind's averagers) may set SIGINT to be ignored.
         self._deadline = time.time() + SHUTDOWN_GRACE_S

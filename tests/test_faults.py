@@ -18,6 +18,7 @@ import hivemind
 import pytest
 
 from swarm.net import metrics
+from swarm.procs import is_p2p_daemon, p2p_daemons
 from swarm.waiting import wait_until
 from tests.helpers import PeerProcess, port_of, read_summary, synced_epochs
 
@@ -281,6 +282,32 @@ def test_a_peer_with_no_good_state_left_stops_with_one_line(peers, tmp_path):
     assert "Traceback" not in out
     assert out.count("Skipping a step with non-finite gradients") == 5, out[-4000:]  # steps 1-3, 10, 30
     assert "rolled back to this peer's last good state" in out
+
+
+def test_a_peer_whose_dht_process_dies_leaves_with_one_line(peers, tmp_path):
+    """The DHT process (hivemind's child of the training process; it holds the p2p daemon) killed under a
+    training peer, as the kernel's OOM killer would: the peer leaves within seconds and exits 1 with one line
+    that says what happened and what to do, its summary written, and stops the p2p daemon that the dead
+    process left behind. Without the watch, every DHT request, and the averaging round that needed one,
+    waited forever for an answer: the peer hung, silent."""
+    lone = _join(peers, "lone", "pytest-dht-death", tmp_path, "--max-epochs", "100000")
+    _wait_epoch(lone, 3, timeout=180)
+    (daemon,) = p2p_daemons(lone.proc.pid)
+    dht = int(Path(f"/proc/{daemon}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent
+    os.kill(dht, signal.SIGKILL)
+    assert lone.wait(timeout=60) == 1, lone.output()[-4000:]
+    out = lone.output()
+    errors = [line for line in lone.lines if line.startswith("Error:")]
+    assert errors == [
+        f"Error: this peer's DHT process (PID {dht}) exited (killed by SIGKILL), and without it the peer "
+        "cannot reach the swarm; start the peer again to rejoin (the swarm keeps its state). Out of memory? "
+        "See dmesg"
+    ], out[-4000:]
+    assert "The DHT process exited: leaving the swarm after the current step" in out
+    assert "Traceback" not in out and "Leaving did not finish" not in out, out[-4000:]
+    assert read_summary(tmp_path, "pytest-dht-death", "lone")["complete"] is True
+    wait_until(lambda: not is_p2p_daemon(daemon), timeout=10)
+    assert not is_p2p_daemon(daemon), "the dead DHT process's p2p daemon still runs"
 
 
 def _wait_epoch(peer: PeerProcess, epoch: int, timeout: float) -> None:

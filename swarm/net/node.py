@@ -12,8 +12,10 @@ import ipaddress
 import logging
 import os
 import shlex
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from swarm.config import SwarmConfig
@@ -22,6 +24,7 @@ from swarm.net import reach as reachability
 from swarm.net.authorizer import InviteAuthorizer, RevocationWatcher
 from swarm.net.invite import Invite, load_invite
 from swarm.patches.dht import SwarmDHT
+from swarm.procs import is_p2p_daemon, p2p_daemon_alive, p2p_daemons
 
 if TYPE_CHECKING:
     import hivemind
@@ -36,6 +39,7 @@ log = logging.getLogger(__name__)
 # volunteer's small CPU about a quarter of the daemon's share (docs/benchmarks.md, "The p2p daemon's CPU").
 # A value already in the environment wins.
 DAEMON_ENV = {"GOMAXPROCS": "1", "GOGC": "400"}
+DHT_WATCH_S = 1.0  # how often SwarmNode.watch looks whether the DHT process still runs
 
 
 def lean_daemon_env() -> None:
@@ -47,6 +51,12 @@ def lean_daemon_env() -> None:
 
 class SwarmConnectionError(RuntimeError):
     """This peer could not start or reach the swarm; the message says what to check."""
+
+
+class DHTProcessDied(SwarmConnectionError):
+    """This peer's DHT process exited under it (:meth:`SwarmNode.watch`); raised once the peer has left.
+    Requests to the dead process never get an answer, so threads that made one never end: leave with
+    ``os._exit``, not through the interpreter's teardown, which joins them."""
 
 
 def check_multiaddrs(maddrs: Sequence[str], option: str, need_peer_id: bool = False) -> None:
@@ -93,6 +103,35 @@ class SwarmNode:
     reach: reachability.Verdict | None = None
     fence: Fence | None = None
     members: MemberKeeper | None = None
+    daemons: list[int] = field(default_factory=list)  # the DHT's p2p daemon (PIDs), stopped if the DHT dies
+    stopping: threading.Event = field(default_factory=threading.Event)
+
+    def watch(self, on_death: Callable[[str], None], every: float = DHT_WATCH_S) -> None:
+        """Call ``on_death(why)`` once, from a thread, if the DHT process exits before :meth:`stop`. Without
+        it nothing reaches the swarm: every DHT request, and each averaging round that needs one, waits for an
+        answer that never comes, and the peer would stop silently, holding its machine."""
+
+        def run() -> None:
+            while not self.stopping.wait(every):
+                if not self.dht.is_alive():
+                    if not self.stopping.is_set():
+                        on_death(self.why_dead())
+                    return
+
+        threading.Thread(target=run, name="swarm-dht-watch", daemon=True).start()
+
+    def why_dead(self) -> str:
+        """One line: the DHT process exited, and what to do."""
+        code = self.dht.exitcode
+        if code is not None and code < 0:
+            how = f"killed by {signal.Signals(-code).name}"
+        else:
+            how = f"exit code {code}"
+        return (
+            f"this peer's DHT process (PID {self.dht.pid}) exited ({how}), and without it the peer cannot "
+            "reach the swarm; start the peer again to rejoin (the swarm keeps its state). Out of memory? See "
+            "dmesg"
+        )
 
     @property
     def client_mode(self) -> bool:
@@ -142,14 +181,15 @@ class SwarmNode:
         """Stop the member record's renewal, the revocation watcher and the DHT with its p2p daemon; if the
         daemon already died (``network_alive`` False, or found so), terminate the DHT quietly. Idempotent."""
         from swarm.patches import rpc_guard
-        from swarm.procs import p2p_daemon_alive
 
+        self.stopping.set()
         if self.members is not None:
             self.members.stop()
         if self.revocations is not None:
             self.revocations.stop()
         rpc_guard.unguard(self.dht)
-        if not self.dht.is_alive():
+        if not self.dht.is_alive():  # it died: its p2p daemon, now nobody's child, is still running
+            _stop_daemons(self.daemons)
             return
         if network_alive is None:
             network_alive = p2p_daemon_alive()
@@ -250,12 +290,23 @@ def _start(
             f"could not start the p2p node on {', '.join(cfg.host_maddrs)} ({first}). Check that the port is "
             "free and the identity file is readable"
         ) from None
+    node.daemons = p2p_daemons(node.dht.pid)
     if not cfg.client_mode:
         node.dht.run_coroutine(reachability.serve)
     elif cfg.initial_peers and not node.dht.run_coroutine(_bootstrapped):
         node.stop()
         raise _unreachable_initial_peers(cfg, invite, "none of them answered a ping")
     return node
+
+
+def _stop_daemons(pids: Sequence[int]) -> None:
+    """SIGTERM the p2p daemons ``pids`` that are still p2p daemons (a PID may have been reused)."""
+    for pid in pids:
+        if is_p2p_daemon(pid):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
 
 
 async def _bootstrapped(_dht: hivemind.DHT, node: Any) -> bool:

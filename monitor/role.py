@@ -28,7 +28,7 @@ from swarm.net import metrics
 from swarm.net.fence import invite_name
 from swarm.net.fingerprint import MONITOR_FIELDS, check_against_swarm, join_line_for
 from swarm.net.invite import Invite
-from swarm.net.node import check_addresses, start_node, visible_maddrs
+from swarm.net.node import DHTProcessDied, check_addresses, start_node, visible_maddrs
 from swarm.procs import GracefulStop, remove_stale_sockets
 from swarm.training.checkpoint import CheckpointError
 from swarm.training.data import build_datasets, val_loader
@@ -213,9 +213,11 @@ def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[s
     stop, node, model, evaluator = GracefulStop(), None, None, None
     warned: set = set()
     stop.install()
+    died: list[str] = []  # why the DHT process exited under the monitor (SwarmNode.watch)
     try:
         validators, public_key = metrics.make_validators(cfg.swarm.run_id)
         node = start_node(cfg.swarm, validators, invite=invite, check_reach=True)
+        died = node.watch(stop)
         check_against_swarm(node.dht, cfg, only=MONITOR_FIELDS)  # its evaluation needs the swarm's model
         node.fence_averagers(public_key)  # invite-only: its state downloads need a member record
         print(
@@ -259,6 +261,8 @@ def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[s
         remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
     best = "n/a" if keeper.best_acc is None else f"{keeper.best_acc:.4f}"
     log.info("Monitor stopped at global epoch %d; best val acc %s", board.last_step, best)
+    if died:
+        raise DHTProcessDied(died[0])
     return {
         "last_step": board.last_step,
         "last_eval_step": board.last_eval_step,

@@ -45,6 +45,9 @@ def _fail_cleanly(func: Callable) -> Callable:
             click.echo("Interrupted.", err=True)
             sys.exit(130)
         except Exception as exc:
+            if type(exc).__name__ == "DHTProcessDied":  # the role has left; threads that still wait on the
+                click.echo(f"Error: {exc}", err=True)  # dead process would hold up the interpreter's teardown
+                _exit_quietly(1)
             known = (
                 "DatasetError",
                 "SwarmConnectionError",
@@ -129,13 +132,8 @@ def join(**params: Any) -> None:
 
     setup_logging(params["verbose"])
     from peer.volunteer import run_volunteer  # heavy: torch, timm, lightning, hivemind
-    from swarm.net.node import DHTProcessDied
 
-    try:
-        summary = run_volunteer(cfg, config_name=params.get("config"))
-    except DHTProcessDied as exc:  # the peer has left; threads still wait on the dead process: no teardown
-        click.echo(f"Error: {exc}", err=True)
-        _exit_quietly(1)
+    summary = run_volunteer(cfg, config_name=params.get("config"))
     val = summary.get("final_val") or {}
     click.echo(
         f"Done: global epoch {summary['final_epoch']}, val acc {val.get('acc', float('nan')):.4f}, "

@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import os
-import signal
 import socket
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ from swarm.net import metrics
 from swarm.net.fingerprint import ConfigPublisher, check_against_swarm, join_line_for, wait_for_peers
 from swarm.net.node import DHTProcessDied, check_addresses, start_node
 from swarm.patches import robust, traffic
-from swarm.procs import SHUTDOWN_GRACE_S, GracefulStop, remove_stale_sockets
+from swarm.procs import GracefulStop, remove_stale_sockets
 from swarm.training.checkpoint import check_compatible, load_checkpoint, load_weights
 from swarm.training.data import build_datasets, peer_seed, train_loader, val_loader
 from swarm.training.model import (
@@ -603,19 +602,10 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
     stop, node, strategy, reporter = GracefulStop(), None, None, None
     stop.install()
     died: list[str] = []  # why the DHT process exited under this peer (SwarmNode.watch)
-
-    def on_death(why: str) -> None:
-        # a signal to the whole process group (Ctrl-C, a spot reclaim's SIGTERM) stops the DHT process too:
-        # then this peer is leaving already, as its own handler says within moments; SIGKILL never is that
-        if stop.event.wait(0.0 if node.dht.exitcode == -signal.SIGKILL else SHUTDOWN_GRACE_S):
-            return
-        died.append(why)
-        stop.request("The DHT process exited")
-
     try:
         validators, public_key = metrics.make_validators(cfg.swarm.run_id)
         node = start_node(cfg.swarm, validators, invite=invite, check_reach=True)
-        node.watch(on_death)
+        died = node.watch(stop)
         check_against_swarm(node.dht, cfg)  # before any averager exists: a mismatch never touches the swarm
         node.fence_averagers(public_key)  # invite-only: our PeerID's proof, our averagers fenced
         publisher = ConfigPublisher(node.dht, cfg, public_key, peer_name)

@@ -284,20 +284,27 @@ def test_a_peer_with_no_good_state_left_stops_with_one_line(peers, tmp_path):
     assert "rolled back to this peer's last good state" in out
 
 
-def test_a_peer_whose_dht_process_dies_leaves_with_one_line(peers, tmp_path):
-    """The DHT process (hivemind's child of the training process; it holds the p2p daemon) killed under a
-    training peer, as the kernel's OOM killer would: the peer leaves within seconds and exits 1 with one line
-    that says what happened and what to do, its summary written, and stops the p2p daemon that the dead
-    process left behind. Without the watch, every DHT request, and the averaging round that needed one,
-    waited forever for an answer: the peer hung, silent."""
-    lone = _join(peers, "lone", "pytest-dht-death", tmp_path, "--max-epochs", "100000")
-    _wait_epoch(lone, 3, timeout=180)
-    (daemon,) = p2p_daemons(lone.proc.pid)
+@pytest.mark.parametrize("role", ["peer", "monitor"])
+def test_a_role_whose_dht_process_dies_leaves_with_one_line(peers, tmp_path, role):
+    """The DHT process (hivemind's child of the role's process; it holds the p2p daemon) killed under a
+    training peer or a monitor, as the kernel's OOM killer would: the role leaves within seconds and exits 1
+    with one line that says what happened and what to do (a peer's summary written), and stops the p2p daemon
+    that the dead process left behind. Without the watch, every DHT request, and the averaging round that
+    needed one, waited forever for an answer: the peer hung, silent."""
+    run = f"pytest-dht-death-{role}"
+    if role == "peer":
+        proc = _join(peers, "lone", run, tmp_path, "--max-epochs", "100000")
+        _wait_epoch(proc, 3, timeout=180)
+    else:
+        args = ["monitor", *_common(run, tmp_path), "--checkpoint-uri", str(tmp_path / "ck")]
+        proc = PeerProcess("monitor", args, peers)
+        proc.join_address(timeout=120)
+    (daemon,) = p2p_daemons(proc.proc.pid)
     dht = int(Path(f"/proc/{daemon}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent
     os.kill(dht, signal.SIGKILL)
-    assert lone.wait(timeout=60) == 1, lone.output()[-4000:]
-    out = lone.output()
-    errors = [line for line in lone.lines if line.startswith("Error:")]
+    assert proc.wait(timeout=60) == 1, proc.output()[-4000:]
+    out = proc.output()
+    errors = [line for line in proc.lines if line.startswith("Error:")]
     assert errors == [
         f"Error: this peer's DHT process (PID {dht}) exited (killed by SIGKILL), and without it the peer "
         "cannot reach the swarm; start the peer again to rejoin (the swarm keeps its state). Out of memory? "
@@ -305,7 +312,10 @@ def test_a_peer_whose_dht_process_dies_leaves_with_one_line(peers, tmp_path):
     ], out[-4000:]
     assert "The DHT process exited: leaving the swarm after the current step" in out
     assert "Traceback" not in out and "Leaving did not finish" not in out, out[-4000:]
-    assert read_summary(tmp_path, "pytest-dht-death", "lone")["complete"] is True
+    if role == "peer":
+        assert read_summary(tmp_path, run, "lone")["complete"] is True
+    else:
+        assert "Monitor stopped at global epoch" in out, out[-4000:]
     wait_until(lambda: not is_p2p_daemon(daemon), timeout=10)
     assert not is_p2p_daemon(daemon), "the dead DHT process's p2p daemon still runs"
 

@@ -14,7 +14,7 @@ import os
 import shlex
 import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +24,7 @@ from swarm.net import reach as reachability
 from swarm.net.authorizer import InviteAuthorizer, RevocationWatcher
 from swarm.net.invite import Invite, load_invite
 from swarm.patches.dht import SwarmDHT
-from swarm.procs import is_p2p_daemon, p2p_daemon_alive, p2p_daemons
+from swarm.procs import SHUTDOWN_GRACE_S, GracefulStop, is_p2p_daemon, p2p_daemon_alive, p2p_daemons
 
 if TYPE_CHECKING:
     import hivemind
@@ -106,19 +106,27 @@ class SwarmNode:
     daemons: list[int] = field(default_factory=list)  # the DHT's p2p daemon (PIDs), stopped if the DHT dies
     stopping: threading.Event = field(default_factory=threading.Event)
 
-    def watch(self, on_death: Callable[[str], None], every: float = DHT_WATCH_S) -> None:
-        """Call ``on_death(why)`` once, from a thread, if the DHT process exits before :meth:`stop`. Without
-        it nothing reaches the swarm: every DHT request, and each averaging round that needs one, waits for an
-        answer that never comes, and the peer would stop silently, holding its machine."""
+    def watch(self, stop: GracefulStop, every: float = DHT_WATCH_S) -> list[str]:
+        """Make the role leave (``stop.request``) if the DHT process exits before :meth:`stop`; returns a list
+        that then holds why (:meth:`why_dead`), for the role to raise :class:`DHTProcessDied` once it has
+        left. Without it nothing reaches the swarm: every DHT request, and each averaging round that needs
+        one, waits for an answer that never comes, and the role would stop silently, holding its machine. A
+        signal to the whole process group (Ctrl-C, a spot reclaim's SIGTERM) stops the DHT process too: then
+        the role is leaving already, as its own handler says within moments (SIGKILL never is that)."""
+        died: list[str] = []
 
         def run() -> None:
             while not self.stopping.wait(every):
-                if not self.dht.is_alive():
-                    if not self.stopping.is_set():
-                        on_death(self.why_dead())
-                    return
+                if self.dht.is_alive():
+                    continue
+                grace = 0.0 if self.dht.exitcode == -signal.SIGKILL else SHUTDOWN_GRACE_S
+                if not self.stopping.is_set() and not stop.event.wait(grace):
+                    died.append(self.why_dead())
+                    stop.request("The DHT process exited")
+                return
 
         threading.Thread(target=run, name="swarm-dht-watch", daemon=True).start()
+        return died
 
     def why_dead(self) -> str:
         """One line: the DHT process exited, and what to do."""

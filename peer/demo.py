@@ -19,7 +19,7 @@ from swarm.config import ExperimentConfig
 from swarm.layout import summary_path
 from swarm.net import metrics
 from swarm.net.fingerprint import join_line_for
-from swarm.net.node import start_node
+from swarm.net.node import DHTProcessDied, start_node
 from swarm.procs import Child, ChildError, GracefulStop, remove_stale_sockets
 
 log = logging.getLogger(__name__)
@@ -31,9 +31,10 @@ def run_bootstrap(cfg: ExperimentConfig, config_name: str | None = None) -> None
     stop = GracefulStop()
     stop.install()
     validators, _ = metrics.make_validators(cfg.swarm.run_id)
-    node = None
+    node, died = None, []
     try:
         node = start_node(cfg.swarm, validators)
+        died = node.watch(stop)
         print(
             f"Bootstrap peer of run {cfg.swarm.run_id!r} is up. To join, run:\n"
             f"  {join_line_for(node, cfg, config_name)}",
@@ -46,6 +47,8 @@ def run_bootstrap(cfg: ExperimentConfig, config_name: str | None = None) -> None
         if node is not None:
             node.stop()
         remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
+    if died:
+        raise DHTProcessDied(died[0])
 
 
 def _start(name: str, cmd: list[str]) -> Child:

@@ -284,20 +284,23 @@ def test_a_peer_with_no_good_state_left_stops_with_one_line(peers, tmp_path):
     assert "rolled back to this peer's last good state" in out
 
 
-@pytest.mark.parametrize("role", ["peer", "monitor"])
+@pytest.mark.parametrize("role", ["peer", "monitor", "bootstrap"])
 def test_a_role_whose_dht_process_dies_leaves_with_one_line(peers, tmp_path, role):
     """The DHT process (hivemind's child of the role's process; it holds the p2p daemon) killed under a
-    training peer or a monitor, as the kernel's OOM killer would: the role leaves within seconds and exits 1
-    with one line that says what happened and what to do (a peer's summary written), and stops the p2p daemon
-    that the dead process left behind. Without the watch, every DHT request, and the averaging round that
-    needed one, waited forever for an answer: the peer hung, silent."""
+    training peer, a monitor or a bootstrap peer, as the kernel's OOM killer would: the role leaves within
+    seconds and exits 1 with one line that says what happened and what to do (a peer's summary written), and
+    stops the p2p daemon that the dead process left behind. Without the watch, every DHT request, and the
+    averaging round that needed one, waited forever for an answer: the peer hung, silent."""
     run = f"pytest-dht-death-{role}"
     if role == "peer":
         proc = _join(peers, "lone", run, tmp_path, "--max-epochs", "100000")
         _wait_epoch(proc, 3, timeout=180)
-    else:
+    elif role == "monitor":
         args = ["monitor", *_common(run, tmp_path), "--checkpoint-uri", str(tmp_path / "ck")]
         proc = PeerProcess("monitor", args, peers)
+        proc.join_address(timeout=120)
+    else:
+        proc = PeerProcess("bootstrap", ["bootstrap", *_common(run, tmp_path)], peers)
         proc.join_address(timeout=120)
     (daemon,) = p2p_daemons(proc.proc.pid)
     dht = int(Path(f"/proc/{daemon}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent
@@ -314,7 +317,7 @@ def test_a_role_whose_dht_process_dies_leaves_with_one_line(peers, tmp_path, rol
     assert "Traceback" not in out and "Leaving did not finish" not in out, out[-4000:]
     if role == "peer":
         assert read_summary(tmp_path, run, "lone")["complete"] is True
-    else:
+    elif role == "monitor":
         assert "Monitor stopped at global epoch" in out, out[-4000:]
     wait_until(lambda: not is_p2p_daemon(daemon), timeout=10)
     assert not is_p2p_daemon(daemon), "the dead DHT process's p2p daemon still runs"

@@ -19,7 +19,7 @@ from google.protobuf.wrappers_pb2 import BytesValue
 from swarm.config import SwarmConfig
 from swarm.net import reach
 from swarm.net.node import DAEMON_ENV, start_node
-from swarm.procs import descendants, remove_stale_sockets
+from swarm.procs import p2p_daemons, remove_stale_sockets
 from tests.helpers import PeerProcess, read_summary, synced_epochs
 
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)
@@ -156,14 +156,12 @@ def test_two_peers_behind_firewalls_train_through_a_public_one(peers, tmp_path):
 
 def _daemon_environment(dht_pid: int) -> dict[str, str]:
     """The environment of the p2p daemon that the DHT process ``dht_pid`` started."""
-    for pid in descendants(dht_pid):
-        proc = Path(f"/proc/{pid}")
+    for pid in p2p_daemons(dht_pid):
         try:
-            if (proc / "comm").read_text().strip() == "p2pd":
-                raw = (proc / "environ").read_bytes()
-                return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+            raw = Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:
             continue
+        return dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
     raise AssertionError(f"no p2p daemon is a child of the DHT process {dht_pid}")
 
 

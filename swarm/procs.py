@@ -171,18 +171,24 @@ def p2p_daemon_alive(pid: int | None = None) -> bool:
     return False
 
 
-def _bound_unix_paths(exclude_own: bool = False) -> tuple[set[str], set[str]]:
-    """Paths of bound unix sockets, and of those among them held by this very process; with ``exclude_own``,
-    the latter are left out of the former."""
-    own_inodes: set[str] = set()
-    if exclude_own:
-        for fd in glob.glob("/proc/self/fd/*"):
+def _socket_inodes(pids: list[int | str]) -> set[str]:
+    """Inodes of the sockets that the processes ``pids`` ("self" for this one) hold open."""
+    inodes: set[str] = set()
+    for pid in pids:
+        for fd in glob.glob(f"/proc/{pid}/fd/*"):
             try:
                 target = os.readlink(fd)
             except OSError:
                 continue
             if target.startswith("socket:["):
-                own_inodes.add(target[len("socket:[") : -1])
+                inodes.add(target[len("socket:[") : -1])
+    return inodes
+
+
+def _bound_unix_paths(exclude_own: bool = False, mine: set[str] = frozenset()) -> tuple[set[str], set[str]]:
+    """Paths of bound unix sockets, and of those among them held by this very process; with ``exclude_own``,
+    the latter are left out of the former. Sockets whose inode is in ``mine`` count as this process's too."""
+    own_inodes = (_socket_inodes(["self"]) if exclude_own else set()) | mine
     paths, own = set(), set()
     for table in _unix_tables():
         try:
@@ -257,8 +263,11 @@ def stale_sockets(since: float = 0.0, exclude_own: bool = False) -> list[str]:
 def remove_stale_sockets(since: float = 0.0, exclude_own: bool = False, settle: float = 0.0) -> int:
     """Delete stale hivemind socket files created after ``since``; returns how many were removed.
 
-    With ``settle``, keep looking for up to that many seconds while newer socket files are still bound,
-    since a p2p daemon that is being stopped releases its socket a moment later.
+    With ``settle``, keep looking for up to that many seconds while newer socket files are still bound, since
+    a p2p daemon that is being stopped releases its socket a moment later. With ``exclude_own`` (a process
+    cleaning up after itself as it exits), only the sockets of its own descendants are waited for: other
+    peers on the machine (the demo's, a test's) hold newer sockets too, and waiting for those cost every
+    leaving peer the whole ``settle``.
     """
     removed, deadline = 0, time.time() + settle
     while True:
@@ -269,6 +278,9 @@ def remove_stale_sockets(since: float = 0.0, exclude_own: bool = False, settle: 
             except FileNotFoundError:
                 pass
         pending = [p for p in glob.glob(SOCKET_GLOB) if _mtime(p) >= since]
+        if pending and exclude_own:
+            _, held = _bound_unix_paths(mine=_socket_inodes(descendants(os.getpid())))
+            pending = [p for p in pending if p in held]
         if not pending or time.time() >= deadline:
             return removed
         time.sleep(0.2)

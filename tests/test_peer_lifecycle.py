@@ -348,6 +348,56 @@ def test_removing_stale_sockets_spares_live_ones_that_a_busy_socket_table_skips(
             os.unlink(path)
 
 
+def test_a_leaving_process_waits_for_its_own_childrens_sockets_not_for_other_peers():
+    """A peer that leaves cleans up the socket files it made, waiting (``settle``) for the sockets of its own
+    children, which a p2p daemon being stopped releases a moment later. A newer socket of another process (a
+    peer beside it on the machine) is no reason to wait: before, every leaving peer of a demo or a test
+    waited the whole 3 s for its neighbours' sockets."""
+    started = time.time()
+    tag = f"/tmp/hivemind-p2ptest-leave-{os.getpid()}"
+    stranger = subprocess.Popen(  # not a child of the leaving process below
+        [sys.executable, "-c", _HOLD.format(path=f"{tag}-stranger.sock", seconds=60)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    stranger.stdout.readline()
+    child = _HOLD.format(path=f"{tag}-child.sock", seconds=2)
+    leaver = subprocess.Popen(
+        [sys.executable, "-c", _LEAVE.format(since=started, child=child)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        waited, removed = (float(x) for x in leaver.communicate(timeout=60)[0].split())
+        # it waited for its child's socket (held 2 s after the clean-up began) and removed its file ...
+        assert 1.0 <= waited < 3.0 and removed == 1, (waited, removed)
+        assert not os.path.exists(f"{tag}-child.sock")
+        # ... and neither waited for the stranger's nor touched it
+        assert os.path.exists(f"{tag}-stranger.sock") and stranger.poll() is None
+    finally:
+        stranger.kill()
+        stranger.wait()
+        for path in glob.glob(f"{tag}-*.sock"):
+            os.unlink(path)
+
+
+# a process that binds a socket file, listens, says so, and holds it for some seconds
+_HOLD = (
+    "import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind({path!r}); s.listen(); "
+    "print('bound', flush=True); time.sleep({seconds})"
+)
+# a process that starts a child holding a socket, then cleans up as a leaving peer does (settle 3 s)
+_LEAVE = """
+import subprocess, sys, time
+from swarm.procs import remove_stale_sockets
+child = subprocess.Popen([sys.executable, "-c", {child!r}], stdout=subprocess.PIPE, text=True)
+child.stdout.readline()
+began = time.time()
+removed = remove_stale_sockets(since={since!r}, exclude_own=True, settle=3.0)
+print(time.time() - began, removed)
+child.wait()
+"""
+
+
 def test_a_p2p_daemon_that_removed_its_control_socket_counts_as_gone(tmp_path):
     """Ctrl-C reaches the whole group: p2pd removes its control socket, then exits a moment later. A peer that
     checked in that moment took the daemon for alive and ran hivemind's graceful shutdown, whose averager

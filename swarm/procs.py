@@ -263,11 +263,10 @@ def stale_sockets(since: float = 0.0, exclude_own: bool = False) -> list[str]:
 def remove_stale_sockets(since: float = 0.0, exclude_own: bool = False, settle: float = 0.0) -> int:
     """Delete stale hivemind socket files created after ``since``; returns how many were removed.
 
-    With ``settle``, keep looking for up to that many seconds while newer socket files are still bound, since
-    a p2p daemon that is being stopped releases its socket a moment later. With ``exclude_own`` (a process
-    cleaning up after itself as it exits), only the sockets of its own descendants are waited for: other
-    peers on the machine (the demo's, a test's) hold newer sockets too, and waiting for those cost every
-    leaving peer the whole ``settle``.
+    With ``settle``, keep looking for up to that many seconds while newer socket files are still bound by
+    this process's descendants, since a p2p daemon that is being stopped releases its socket a moment later.
+    Other processes on the machine (the demo's other peers, a test's) hold newer sockets too: waiting for
+    those cost every leaving peer the whole ``settle``.
     """
     removed, deadline = 0, time.time() + settle
     while True:
@@ -278,7 +277,7 @@ def remove_stale_sockets(since: float = 0.0, exclude_own: bool = False, settle: 
             except FileNotFoundError:
                 pass
         pending = [p for p in glob.glob(SOCKET_GLOB) if _mtime(p) >= since]
-        if pending and exclude_own:
+        if pending:
             _, held = _bound_unix_paths(mine=_socket_inodes(descendants(os.getpid())))
             pending = [p for p in pending if p in held]
         if not pending or time.time() >= deadline:

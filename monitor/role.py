@@ -38,6 +38,25 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_S = 15.0
 
 
+class Presence:
+    """This monitor's record in the DHT (swarm/net/metrics.py, ``MonitorRecord``): stored at once when the
+    global epoch whose state it holds changes, else renewed every ``RENEW_S``; it expires ``EXPIRE_S`` after
+    the monitor stops. Peers that reached max_epochs read it to know how long to share their final state."""
+
+    RENEW_S, EXPIRE_S = 10.0, 30.0
+
+    def __init__(self, dht: Any, run_id: str, public_key: bytes) -> None:
+        self.dht, self.run_id, self.public_key = dht, run_id, public_key
+        self.epoch: int | None = None
+        self.renew_at = 0.0
+
+    def maybe_publish(self, saved_epoch: int) -> None:
+        if saved_epoch == self.epoch and time.time() < self.renew_at:
+            return
+        self.epoch, self.renew_at = saved_epoch, time.time() + self.RENEW_S
+        metrics.publish_monitor(self.dht, self.run_id, self.public_key, max(saved_epoch, -1), self.EXPIRE_S)
+
+
 class Evaluator:
     """Runs download + evaluation + checkpointing in a background thread, one at a time, so that polling
     the DHT (and writing TensorBoard) goes on while a large model is evaluated."""
@@ -51,11 +70,14 @@ class Evaluator:
         self.done = 0
         self.retry_after = 0.0
 
-    def due(self, swarm_epoch: int) -> bool:
+    def due(self, swarm_epoch: int, final_epoch: int = -1) -> bool:
+        """At every ``evaluate_every``-th global epoch, and at once for a final epoch not evaluated yet (a
+        peer at max_epochs says so in its record, and shares its state until the monitor holds it)."""
         every = self.cfg.monitor.evaluate_every
         next_epoch = (max(self.board.last_eval_step, 0) // every + 1) * every
         busy = self.thread is not None and self.thread.is_alive()
-        return not busy and swarm_epoch >= next_epoch and time.time() >= self.retry_after
+        wanted = swarm_epoch >= next_epoch or final_epoch > self.board.last_eval_step
+        return not busy and wanted and time.time() >= self.retry_after
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, name="monitor-eval", daemon=True)
@@ -177,13 +199,14 @@ def _poll(
     aggregator.add(records, time.time())
     if final:
         return
+    last = max((r.global_epoch for r in records.values() if r.final), default=-1)  # peers at max_epochs
     for point in aggregator.ready(time.time()):
         with evaluator.lock:
             written = board.write_point(point)
         if written:
             _log_point(point)
             _name_suspects(cfg, dht, point, warned, invite)
-    if aggregator.newest_epoch >= 0 and evaluator.due(aggregator.newest_epoch):
+    if aggregator.newest_epoch >= 0 and evaluator.due(aggregator.newest_epoch, last):
         evaluator.start()
 
 
@@ -235,7 +258,9 @@ def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[s
             len(val_set),
             cfg.monitor.evaluate_every,
         )
+        presence = Presence(node.dht, cfg.swarm.run_id, public_key)
         while not stop.event.is_set():
+            presence.maybe_publish(board.last_eval_step)
             _poll(cfg, node.dht, aggregator, board, evaluator, warned, invite=invite)
             stop.event.wait(cfg.monitor.poll_every)
     except KeyboardInterrupt:

@@ -8,6 +8,7 @@ what it started, also on errors, Ctrl-C and SIGTERM (what a spot instance gets b
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -82,6 +83,7 @@ class SwarmReporter(L.Callback):
         self._warned: set = set()
         # the DHT read of the swarm's metrics records in flight, the epoch it started at, and when
         self._reading: tuple[Any, int, float] | None = None
+        self.last_record: metrics.LocalMetrics | None = None  # this peer's newest metrics record
         self.publisher: ConfigPublisher | None = None
         invite = strategy.node.invite  # read and verified once, by check_addresses
         self.invite_expires = invite.certificate.expires if invite is not None else None
@@ -134,10 +136,44 @@ class SwarmReporter(L.Callback):
         if self.cpu is not None:
             self.cpu.stop()  # before the linger: training only
         self.strategy.leaving = self.stop.event.is_set()
-        linger = self.cfg.swarm.linger
-        if linger > 0 and not self.stop.event.is_set():  # the averagers still serve our state until teardown
-            log.info("Sharing the final state for %.0f s (linger) so that a monitor can save it", linger)
-            self.stop.event.wait(linger)
+        if self.cfg.swarm.linger > 0 and not self.stop.event.is_set():
+            self._linger(self.cfg.swarm.linger, self.strategy.local_epoch)
+
+    def _linger(self, seconds: float, epoch: int) -> None:
+        """Share the final state (the averagers serve it until teardown) until a monitor holds global epoch
+        ``epoch`` or a later one, at most ``seconds``; none at all when the swarm has no monitor (its record,
+        swarm/net/metrics.py ``MonitorRecord``, is missing)."""
+        dht, run_id = self.strategy.node.dht, self.cfg.swarm.run_id
+        deadline = time.time() + seconds
+
+        def monitors() -> list | None:  # None: could not tell
+            try:
+                return metrics.fetch_monitors(dht, run_id, timeout=max(0.1, min(5.0, deadline - time.time())))
+            except Exception as exc:  # a slow DHT: keep sharing until the deadline
+                log.debug("Could not read the monitor's record: %r", exc)
+                return None
+
+        found = monitors()
+        if found == []:
+            log.info("No monitor in the swarm to save the final state; leaving now")
+            return
+        if self.last_record is not None:  # tell the monitor: this is the last epoch, evaluate it now
+            from hivemind.utils import get_dht_time
+
+            final = self.last_record.copy(update={"final": True, "time": get_dht_time()})
+            with contextlib.suppress(Exception):
+                metrics.publish(dht, run_id, self.public_key, final, self.cfg.swarm.metrics_expiration)
+        log.info("Sharing the final state for up to %.0f s (linger) until the monitor holds it", seconds)
+        while True:
+            if found and any(m.saved_epoch >= epoch for m in found):
+                log.info("The monitor holds global epoch %d; leaving now", max(m.saved_epoch for m in found))
+                return
+            if self.stop.event.wait(min(1.0, max(0.0, deadline - time.time()))):
+                return
+            if time.time() >= deadline:
+                log.info("No monitor held global epoch %d within %.0f s; leaving now", epoch, seconds)
+                return
+            found = monitors()
 
     def on_exception(self, trainer: L.Trainer, module: L.LightningModule, exception: BaseException) -> None:
         self.stop.disarm()
@@ -305,6 +341,7 @@ class SwarmReporter(L.Callback):
         # epoch is used once it is there (waiting for it held up training by about 50 ms per epoch). They
         # only feed the swarm's speed on the progress line, so they are read at most every READ_METRICS_EVERY
         # seconds, not at every epoch (2 reads a second with the scaling bench's 0.45 s epochs)
+        self.last_record = record
         reading, records = self._reading, None
         try:
             metrics.publish(

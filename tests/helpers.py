@@ -20,9 +20,6 @@ from swarm.procs import Child, group_env, group_members, remove_stale_sockets, s
 from swarm.waiting import wait_until
 
 EPOCH_RE = re.compile(r"\| epoch (\d+) \|")
-# A peer that reaches max_epochs shares its final state for `linger` seconds (10 in the demo config) so that
-# a monitor can save it; peers of a test without a monitor leave at once
-NO_MONITOR = {"SWARM_LINGER": "0"}
 
 
 class Zygote:
@@ -144,19 +141,12 @@ class PeerProcess(Child):
     interpreter, without its 5-6 CPU seconds of imports."""
 
     def __init__(
-        self,
-        name: str,
-        args: list[str],
-        registry: list[PeerProcess],
-        launcher: list[str] | None = None,
-        env: dict[str, str] | None = None,
+        self, name: str, args: list[str], registry: list[PeerProcess], launcher: list[str] | None = None
     ) -> None:
         """``launcher`` replaces ``python`` in front of ``-m peer`` (e.g. torchrun and its flags): a fresh
-        interpreter. ``env``: variables set for this process on top of the test process's."""
+        interpreter."""
         self.args, self.launcher = args, launcher
-        super().__init__(
-            name, [*(launcher or [sys.executable]), "-m", "peer", *args], env=os.environ | (env or {})
-        )
+        super().__init__(name, [*(launcher or [sys.executable]), "-m", "peer", *args])
         registry.append(self)
 
     def _start(self, env: dict[str, str] | None):

@@ -17,7 +17,7 @@ from swarm.compression import CompressionError, parse_compression
 from swarm.patches import traffic
 from swarm.procs import remove_stale_sockets
 from swarm.waiting import wait_until
-from tests.helpers import NO_MONITOR, PeerProcess, read_summary
+from tests.helpers import PeerProcess, read_summary
 
 
 def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -178,7 +178,7 @@ def _diloco_peer(peers, name, run, tmp_path, *extra, seed):
         "1024",  # 2 peers x 16 local steps x 32
         *extra,
     ]
-    return PeerProcess(name, args, peers, env=NO_MONITOR)
+    return PeerProcess(name, args, peers)
 
 
 def test_diloco_peers_end_each_outer_step_equal_and_a_newcomer_loads_inner_and_outer_state(peers, tmp_path):

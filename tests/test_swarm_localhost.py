@@ -15,7 +15,7 @@ from swarm.averaging import donors
 from swarm.net.invite import load_or_create_owner_key, make_invite
 from swarm.procs import group_members
 from swarm.waiting import wait_until
-from tests.helpers import NO_MONITOR, PeerProcess, port_of, read_summary, synced_epochs
+from tests.helpers import PeerProcess, port_of, read_summary, synced_epochs
 
 RUN_ID = "pytest-swarm"
 # The late joiner, started once peer1 is at epoch 3, must train with the others for at least 20 global epochs
@@ -86,7 +86,6 @@ def test_peers_train_together(peers, tmp_path):
                 *invite(f"peer{i}"),
             ],
             peers,
-            env=NO_MONITOR,
         )
 
     trainers = [start_peer(i, ("--min-peers", str(TRAINERS))) for i in range(1, TRAINERS + 1)]
@@ -174,6 +173,11 @@ def test_peers_train_together(peers, tmp_path):
         if "Refused" in line and donors.AHEAD not in line
     ]
     assert not refused, refused
+
+    # with no monitor in the swarm, nobody waits to save the final state: each peer left at once
+    alone = "No monitor in the swarm to save the final state; leaving now"
+    for p in trainers + [late]:
+        assert any(alone in line for line in p.lines), (p.name, p.output()[-2000:])
 
     # nothing is left behind once the peers are done
     code = boot.stop(grace=15)

@@ -88,6 +88,8 @@ class LocalMetrics(BaseModel):
     # (swarm/averaging/donors.py)
     peer_id: constr(max_length=64, strict=True) | None = None
     state_sketches: conlist(StateSketch, max_items=8) | None = None
+    # the peer reached max_epochs: this is its last epoch, and it shares its state until a monitor holds it
+    final: StrictBool | None = None
 
 
 def config_key(run_id: str) -> str:
@@ -140,14 +142,29 @@ class RevocationRecord(BaseModel):
     signature: constr(max_length=200, strict=True)
 
 
+def monitor_key(run_id: str) -> str:
+    """The DHT key under which a monitor of ``run_id`` says which global epoch's state it holds."""
+    return f"{run_id}_monitor"
+
+
+class MonitorRecord(BaseModel):
+    """A monitor's presence: the newest global epoch whose state it downloaded and evaluated (-1: none
+    yet), renewed while it runs. A peer that reached max_epochs shares its final state until a monitor holds
+    it, and leaves at once when no monitor is there (peer/volunteer.py)."""
+
+    saved_epoch: conint(ge=-1, strict=True)
+    time: StrictFloat
+
+
 def _schema():
     from hivemind.dht.schema import BytesWithPublicKey
 
     class MetricSchema(BaseModel):
-        """DHT schema: the metrics, config, members and revoked keys map public keys (subkeys) to
-        their records."""
+        """DHT schema: the metrics, monitor, config, members and revoked keys map public keys (subkeys)
+        to their records."""
 
         metrics: dict[BytesWithPublicKey, LocalMetrics]
+        monitor: dict[BytesWithPublicKey, MonitorRecord]
         config: dict[BytesWithPublicKey, ConfigRecord]
         members: dict[BytesWithPublicKey, MemberRecord]
         revoked: dict[BytesWithPublicKey, RevocationRecord]
@@ -272,6 +289,34 @@ def parse_fetched(result: Any, warned: set | None = None) -> dict[bytes, LocalMe
             if subkey not in warned:
                 warned.add(subkey)
                 log.warning("Ignoring a malformed metrics record from one peer: %s", str(exc).splitlines()[0])
+    return out
+
+
+def publish_monitor(
+    dht: "hivemind.DHT", run_id: str, public_key: bytes, saved_epoch: int, expiration: float
+) -> Any:
+    """Store this monitor's :class:`MonitorRecord` without blocking; returns the future."""
+    from hivemind.utils import get_dht_time
+
+    record = MonitorRecord(saved_epoch=saved_epoch, time=get_dht_time())
+    return dht.store(
+        key=monitor_key(run_id),
+        subkey=public_key,
+        value=record.dict(),
+        expiration_time=get_dht_time() + expiration,
+        return_future=True,
+    )
+
+
+def fetch_monitors(dht: "hivemind.DHT", run_id: str, timeout: float = 10.0) -> list[MonitorRecord]:
+    """The live monitors' records of ``run_id`` ([] when no monitor is there); raises TimeoutError after
+    ``timeout`` seconds."""
+    out = []
+    for entry in subkey_entries(dht, monitor_key(run_id), timeout).values():
+        try:
+            out.append(MonitorRecord.parse_obj(entry.value))
+        except Exception:  # schema-checked by the DHT already; a bad one is simply skipped
+            continue
     return out
 
 

@@ -69,15 +69,21 @@ class Evaluator:
         self.thread: threading.Thread | None = None
         self.done = 0
         self.retry_after = 0.0
+        self.finals: set[int] = set()  # final epochs that peers announced and that were evaluated for them
 
-    def due(self, swarm_epoch: int, final_epoch: int = -1) -> bool:
+    def due(self, swarm_epoch: int, final_epochs: set[int] = frozenset()) -> bool:
         """At every ``evaluate_every``-th global epoch, and at once for a final epoch not evaluated yet (a
         peer at max_epochs says so in its record, and shares its state until the monitor holds it)."""
         every = self.cfg.monitor.evaluate_every
         next_epoch = (max(self.board.last_eval_step, 0) // every + 1) * every
         busy = self.thread is not None and self.thread.is_alive()
-        wanted = swarm_epoch >= next_epoch or final_epoch > self.board.last_eval_step
-        return not busy and wanted and time.time() >= self.retry_after
+        # once per final epoch: a record that claims a final epoch the swarm never reaches must not make the
+        # monitor download the state at every poll
+        final = {e for e in final_epochs if e > self.board.last_eval_step} - self.finals
+        if busy or not (swarm_epoch >= next_epoch or final) or time.time() < self.retry_after:
+            return False
+        self.finals |= final
+        return True
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, name="monitor-eval", daemon=True)
@@ -199,7 +205,7 @@ def _poll(
     aggregator.add(records, time.time())
     if final:
         return
-    last = max((r.global_epoch for r in records.values() if r.final), default=-1)  # peers at max_epochs
+    last = {r.global_epoch for r in records.values() if r.final}  # peers at max_epochs
     for point in aggregator.ready(time.time()):
         with evaluator.lock:
             written = board.write_point(point)

@@ -248,3 +248,26 @@ def test_status_leaves_a_claim_far_ahead_of_every_other_record_out_of_the_swarms
     )
     lines = render(status).splitlines()
     assert "  global epoch:   45" in lines and not [x for x in lines if x.startswith("  unconfirmed:")], lines
+
+
+def test_a_final_epoch_off_the_evaluation_rhythm_is_evaluated_once(tmp_path):
+    """Peers at max_epochs mark their last record ``final`` and share their state until the monitor holds
+    it: the monitor evaluates such an epoch at once, even off its ``evaluate_every`` rhythm, and only once
+    per announced epoch, so that a record claiming a final epoch the swarm never reaches cannot make it
+    download the state at every poll."""
+    from monitor.role import Evaluator
+
+    cfg = build_config("demo")  # evaluate_every 5
+    board = Board(tmp_path)
+    evaluator = Evaluator(cfg, model=None, board=board, keeper=None, loader=None)
+    assert board.write_eval(5, {"acc": 0.5, "acc_top5": 0.9, "loss": 1.0})
+    assert not evaluator.due(7)  # next evaluation at 10
+    assert evaluator.due(7, {7})  # a peer's last epoch is 7: now
+    assert board.write_eval(7, {"acc": 0.6, "acc_top5": 0.9, "loss": 0.9})
+    assert not evaluator.due(7, {7})  # held already
+    assert evaluator.due(8, {10**6})  # a claim far ahead: one evaluation ...
+    assert board.write_eval(8, {"acc": 0.6, "acc_top5": 0.9, "loss": 0.9})
+    assert not evaluator.due(8, {10**6}) and not evaluator.due(9, {10**6})  # ... not one per poll
+    assert evaluator.due(9, {10**6, 9})  # and an honest last epoch beside it is still evaluated
+    assert evaluator.due(10)  # the rhythm goes on
+    board.close()

@@ -26,7 +26,7 @@ RUN_ID = "pytest-swarm"
 # in 7 s beside another multi-peer test and loaded epoch 17 (a fresh interpreter needed 28 s there, and
 # loaded epoch 83). That holds only if the three first peers start together (--min-peers 3): a peer that
 # comes up a second before the others trains alone at 10 global epochs a second.
-MAX_EPOCHS = 90
+MAX_EPOCHS = 70
 TRAINERS = 3
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import multiprocessing
 import threading
 import time
 from pathlib import Path
@@ -286,7 +287,11 @@ def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[s
         board.close()
         stop.restore()
         if model is not None:
-            model.shutdown()
+            model.shutdown(network_alive=not died)
+        if died:  # an averager whose start the death interrupted has no owner left to stop it
+            for child in multiprocessing.active_children():
+                child.terminate()
+                child.join(5)
         if node is not None:
             node.stop()
         remove_stale_sockets(since=started, exclude_own=True, settle=3.0)

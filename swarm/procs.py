@@ -62,6 +62,15 @@ def _live_processes() -> dict[int, tuple[int, int]]:
     return out
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return text[text.rfind(")") + 2 :][:1] != "Z"
+
+
 def group_members(pgid: int) -> list[int]:
     """PIDs of live (non-zombie) processes whose process group is ``pgid``."""
     return [pid for pid, (_, group) in _live_processes().items() if group == pgid]
@@ -133,14 +142,24 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def control_socket(pid: int) -> str | None:
+    """The control socket file of the p2p daemon ``pid`` (its ``-listen=/unix/<path>``), if it names one."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for arg in args:
+        if arg.startswith(b"-listen=/unix/"):
+            return arg[len(b"-listen=/unix") :].decode(errors="replace")
+    return None
+
+
 def _control_socket_open(pid: int) -> bool:
     """Whether the p2p daemon ``pid`` still has its control socket (``-listen=/unix/<path>``). A daemon that
     got SIGINT removes it first and exits a moment later: in that moment hivemind's graceful shutdown fails
     with a traceback (FileNotFoundError on the socket), so such a daemon counts as gone."""
-    for arg in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
-        if arg.startswith(b"-listen=/unix/"):
-            return os.path.exists(arg[len(b"-listen=/unix") :].decode(errors="replace"))
-    return True  # no unix control socket named: judged by the process alone
+    path = control_socket(pid)
+    return path is None or os.path.exists(path)  # no unix control socket named: judged by the process alone
 
 
 def is_p2p_daemon(pid: int) -> bool:
@@ -264,9 +283,10 @@ def remove_stale_sockets(since: float = 0.0, exclude_own: bool = False, settle: 
     """Delete stale hivemind socket files created after ``since``; returns how many were removed.
 
     With ``settle``, keep looking for up to that many seconds while newer socket files are still bound by
-    this process's descendants, since a p2p daemon that is being stopped releases its socket a moment later.
-    Other processes on the machine (the demo's other peers, a test's) hold newer sockets too: waiting for
-    those cost every leaving peer the whole ``settle``.
+    this process's descendants or its process group (a p2p daemon whose DHT process died is an orphan, still
+    in the group), since a p2p daemon that is being stopped releases its socket a moment later. Other
+    processes on the machine (the demo's other peers, a test's) hold newer sockets too: waiting for those
+    cost every leaving peer the whole ``settle``.
     """
     removed, deadline = 0, time.time() + settle
     while True:
@@ -278,7 +298,8 @@ def remove_stale_sockets(since: float = 0.0, exclude_own: bool = False, settle: 
                 pass
         pending = [p for p in glob.glob(SOCKET_GLOB) if _mtime(p) >= since]
         if pending:
-            _, held = _bound_unix_paths(mine=_socket_inodes(descendants(os.getpid())))
+            ours = (set(descendants(os.getpid())) | set(group_members(os.getpgid(0)))) - {os.getpid()}
+            _, held = _bound_unix_paths(mine=_socket_inodes(sorted(ours)))
             pending = [p for p in pending if p in held]
         if not pending or time.time() >= deadline:
             return removed

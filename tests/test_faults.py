@@ -18,7 +18,7 @@ import hivemind
 import pytest
 
 from swarm.net import metrics
-from swarm.procs import is_p2p_daemon, p2p_daemons
+from swarm.procs import group_members, is_p2p_daemon, p2p_daemons
 from swarm.waiting import wait_until
 from tests.helpers import PeerProcess, port_of, read_summary, synced_epochs
 
@@ -321,6 +321,12 @@ def test_a_role_whose_dht_process_dies_leaves_with_one_line(peers, tmp_path, rol
         assert "Monitor stopped at global epoch" in out, out[-4000:]
     wait_until(lambda: not is_p2p_daemon(daemon), timeout=10)
     assert not is_p2p_daemon(daemon), "the dead DHT process's p2p daemon still runs"
+    # and nothing else of it either: a monitor whose DHT died while its averager started left that averager
+    # running, ownerless, until something killed it
+    wait_until(lambda: not group_members(proc.pgid), timeout=10)
+    assert not group_members(proc.pgid), [
+        Path(f"/proc/{pid}/cmdline").read_bytes() for pid in group_members(proc.pgid)
+    ]
 
 
 def _wait_epoch(peer: PeerProcess, epoch: int, timeout: float) -> None:

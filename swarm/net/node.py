@@ -8,12 +8,14 @@ once; the revocation watcher; the reachability verdict; the fence of the average
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
 import shlex
 import signal
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -24,7 +26,15 @@ from swarm.net import reach as reachability
 from swarm.net.authorizer import InviteAuthorizer, RevocationWatcher
 from swarm.net.invite import Invite, load_invite
 from swarm.patches.dht import SwarmDHT
-from swarm.procs import SHUTDOWN_GRACE_S, GracefulStop, is_p2p_daemon, p2p_daemon_alive, p2p_daemons
+from swarm.procs import (
+    SHUTDOWN_GRACE_S,
+    GracefulStop,
+    control_socket,
+    is_p2p_daemon,
+    p2p_daemon_alive,
+    p2p_daemons,
+    running,
+)
 
 if TYPE_CHECKING:
     import hivemind
@@ -104,6 +114,7 @@ class SwarmNode:
     fence: Fence | None = None
     members: MemberKeeper | None = None
     daemons: list[int] = field(default_factory=list)  # the DHT's p2p daemon (PIDs), stopped if the DHT dies
+    daemon_sockets: list[str] = field(default_factory=list)  # their control socket files, removed then
     stopping: threading.Event = field(default_factory=threading.Event)
 
     def watch(self, stop: GracefulStop, every: float = DHT_WATCH_S) -> list[str]:
@@ -198,6 +209,9 @@ class SwarmNode:
         rpc_guard.unguard(self.dht)
         if not self.dht.is_alive():  # it died: its p2p daemon, now nobody's child, is still running
             _stop_daemons(self.daemons)
+            for path in self.daemon_sockets:  # what hivemind's P2P does when it stops its daemon itself
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
             return
         if network_alive is None:
             network_alive = p2p_daemon_alive()
@@ -299,6 +313,7 @@ def _start(
             "free and the identity file is readable"
         ) from None
     node.daemons = p2p_daemons(node.dht.pid)
+    node.daemon_sockets = [path for path in map(control_socket, node.daemons) if path]
     if not cfg.client_mode:
         node.dht.run_coroutine(reachability.serve)
     elif cfg.initial_peers and not node.dht.run_coroutine(_bootstrapped):
@@ -307,14 +322,28 @@ def _start(
     return node
 
 
-def _stop_daemons(pids: Sequence[int]) -> None:
-    """SIGTERM the p2p daemons ``pids`` that are still p2p daemons (a PID may have been reused)."""
-    for pid in pids:
-        if is_p2p_daemon(pid):
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+def _stop_daemons(pids: Sequence[int], grace: float = 5.0) -> None:
+    """SIGTERM the p2p daemons ``pids`` that are still p2p daemons (a PID may have been reused), and wait up
+    to ``grace`` seconds for them to exit (SIGKILL after): a daemon still bound to its socket file when the
+    role cleans up its socket files (swarm.procs.remove_stale_sockets) would leave that file behind, since an
+    orphan is no descendant of the role's to wait for."""
+
+    def signal_all(sig: int) -> list[int]:
+        signalled = []
+        for pid in pids:
+            if is_p2p_daemon(pid) and running(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+                    signalled.append(pid)
+        return signalled
+
+    left = signal_all(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [pid for pid in left if is_p2p_daemon(pid) and running(pid)]
+    if left:
+        signal_all(signal.SIGKILL)
 
 
 async def _bootstrapped(_dht: hivemind.DHT, node: Any) -> bool:

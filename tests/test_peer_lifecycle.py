@@ -368,9 +368,9 @@ def test_a_leaving_process_waits_for_its_own_childrens_sockets_not_for_other_pee
     )
     try:
         waited, removed = (float(x) for x in leaver.communicate(timeout=60)[0].split())
-        # it waited for its child's socket (held 2 s after the clean-up began) and removed its file ...
-        assert 1.0 <= waited < 3.0 and removed == 1, (waited, removed)
-        assert not os.path.exists(f"{tag}-child.sock")
+        # it waited for its child's socket (held 2 s after the clean-up began) until the file was gone
+        # (removed by this clean-up, or by that of another test beside it: the file is stale then) ...
+        assert 1.0 <= waited < 3.0 and not os.path.exists(f"{tag}-child.sock"), (waited, removed)
         # ... and neither waited for the stranger's nor touched it
         assert os.path.exists(f"{tag}-stranger.sock") and stranger.poll() is None
     finally:

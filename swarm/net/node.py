@@ -324,9 +324,7 @@ def _start(
 
 def _stop_daemons(pids: Sequence[int], grace: float = 5.0) -> None:
     """SIGTERM the p2p daemons ``pids`` that are still p2p daemons (a PID may have been reused), and wait up
-    to ``grace`` seconds for them to exit (SIGKILL after): a daemon still bound to its socket file when the
-    role cleans up its socket files (swarm.procs.remove_stale_sockets) would leave that file behind, since an
-    orphan is no descendant of the role's to wait for."""
+    to ``grace`` seconds for them to exit (SIGKILL after), so that their socket files can be removed."""
 
     def signal_all(sig: int) -> list[int]:
         signalled = []

@@ -238,10 +238,16 @@ def make_validators(run_id: str, private_key: "RSAPrivateKey | None" = None) -> 
 
 def publish(dht: "hivemind.DHT", run_id: str, public_key: bytes, record: LocalMetrics, expiration: float):
     """Store ``record`` under this peer's subkey without blocking training; returns the future."""
+    return _store(dht, metrics_key(run_id), public_key, record, expiration)
+
+
+def _store(dht: "hivemind.DHT", key: str, public_key: bytes, record: BaseModel, expiration: float) -> Any:
+    """Store ``record`` under ``key`` and this process's subkey, ``expiration`` seconds from now, without
+    blocking; returns the future."""
     from hivemind.utils import get_dht_time
 
     return dht.store(
-        key=metrics_key(run_id),
+        key=key,
         subkey=public_key,
         value=record.dict(),
         expiration_time=get_dht_time() + expiration,
@@ -299,13 +305,7 @@ def publish_monitor(
     from hivemind.utils import get_dht_time
 
     record = MonitorRecord(saved_epoch=saved_epoch, time=get_dht_time())
-    return dht.store(
-        key=monitor_key(run_id),
-        subkey=public_key,
-        value=record.dict(),
-        expiration_time=get_dht_time() + expiration,
-        return_future=True,
-    )
+    return _store(dht, monitor_key(run_id), public_key, record, expiration)
 
 
 def fetch_monitors(dht: "hivemind.DHT", run_id: str, timeout: float = 10.0) -> list[MonitorRecord]:

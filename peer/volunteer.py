@@ -140,40 +140,42 @@ class SwarmReporter(L.Callback):
             self._linger(self.cfg.swarm.linger, self.strategy.local_epoch)
 
     def _linger(self, seconds: float, epoch: int) -> None:
-        """Share the final state (the averagers serve it until teardown) until a monitor holds global epoch
-        ``epoch`` or a later one, at most ``seconds``; none at all when the swarm has no monitor (its record,
-        swarm/net/metrics.py ``MonitorRecord``, is missing)."""
+        """Share the final state (the averagers serve it until teardown) for ``seconds``, or less: once a
+        monitor holds global epoch ``epoch`` (its record, swarm/net/metrics.py ``MonitorRecord``) and every
+        peer's metrics record is at that epoch too. A groupmate still in its last rounds needs this peer's
+        averagers: a DiLoCo peer whose partner left at once ended its last overlapped round alone (val acc
+        0.59 against the partner's 0.90)."""
         dht, run_id = self.strategy.node.dht, self.cfg.swarm.run_id
         deadline = time.time() + seconds
 
-        def monitors() -> list | None:  # None: could not tell
+        def done() -> bool:
             try:
-                return metrics.fetch_monitors(dht, run_id, timeout=max(0.1, min(5.0, deadline - time.time())))
+                wait = max(0.1, min(5.0, deadline - time.time()))
+                held = [m.saved_epoch for m in metrics.fetch_monitors(dht, run_id, timeout=wait)]
+                if not held or max(held) < epoch:
+                    return False
+                return all(r.global_epoch >= epoch for r in metrics.fetch(dht, run_id, timeout=wait).values())
             except Exception as exc:  # a slow DHT: keep sharing until the deadline
-                log.debug("Could not read the monitor's record: %r", exc)
-                return None
+                log.debug("Could not read the monitor's or the peers' records: %r", exc)
+                return False
 
-        found = monitors()
-        if found == []:
-            log.info("No monitor in the swarm to save the final state; leaving now")
-            return
-        if self.last_record is not None:  # tell the monitor: this is the last epoch, evaluate it now
+        if self.last_record is not None:  # tell a monitor: this is the last epoch, evaluate it now
             from hivemind.utils import get_dht_time
 
             final = self.last_record.copy(update={"final": True, "time": get_dht_time()})
             with contextlib.suppress(Exception):
                 metrics.publish(dht, run_id, self.public_key, final, self.cfg.swarm.metrics_expiration)
-        log.info("Sharing the final state for up to %.0f s (linger) until the monitor holds it", seconds)
-        while True:
-            if found and any(m.saved_epoch >= epoch for m in found):
-                log.info("The monitor holds global epoch %d; leaving now", max(m.saved_epoch for m in found))
-                return
-            if self.stop.event.wait(min(1.0, max(0.0, deadline - time.time()))):
+        log.info(
+            "Sharing the final state for up to %.0f s (linger), until the monitor holds it and the other "
+            "peers are done",
+            seconds,
+        )
+        while not self.stop.event.wait(min(1.0, max(0.0, deadline - time.time()))):
+            if done():
+                log.info("The monitor holds global epoch %d and every peer is done; leaving now", epoch)
                 return
             if time.time() >= deadline:
-                log.info("No monitor held global epoch %d within %.0f s; leaving now", epoch, seconds)
                 return
-            found = monitors()
 
     def on_exception(self, trainer: L.Trainer, module: L.LightningModule, exception: BaseException) -> None:
         self.stop.disarm()

@@ -166,11 +166,11 @@ def test_monitor_logs_evaluates_checkpoints_and_survives_a_restart(peers, tmp_pa
     assert len(board["val/acc"]) >= 2, board.get("val/acc")
     assert board["swarm/global_epoch"][-1] == (MAX_EPOCHS, MAX_EPOCHS)
     # the peers said that MAX_EPOCHS (not a multiple of --evaluate-every) was their last: the monitor
-    # evaluated it at once, and they shared their state until its record said it held it, not for the whole
-    # linger
+    # evaluated it at once, and they shared their state until its record said it held it (and every peer was
+    # done), not for the whole linger
     assert board["monitor/val/acc"][-1][0] == MAX_EPOCHS, board["monitor/val/acc"]
     for p in trainers:
-        held = f"The monitor holds global epoch {MAX_EPOCHS}; leaving now"
+        held = f"The monitor holds global epoch {MAX_EPOCHS} and every peer is done; leaving now"
         assert any(held in line for line in p.lines), (p.name, p.output()[-2000:])
     assert max(v for _, v in board["swarm/samples_per_second"]) < FORGED_SPS / 10
     # the forged record says 0.0; the demo now learns (real losses reach about 0.07), so the test is "never 0"

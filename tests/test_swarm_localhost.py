@@ -174,11 +174,6 @@ def test_peers_train_together(peers, tmp_path):
     ]
     assert not refused, refused
 
-    # with no monitor in the swarm, nobody waits to save the final state: each peer left at once
-    alone = "No monitor in the swarm to save the final state; leaving now"
-    for p in trainers + [late]:
-        assert any(alone in line for line in p.lines), (p.name, p.output()[-2000:])
-
     # nothing is left behind once the peers are done
     code = boot.stop(grace=15)
     assert code == 0, boot.output()[-3000:]

@@ -55,7 +55,7 @@ class Presence:
         if saved_epoch == self.epoch and time.time() < self.renew_at:
             return
         self.epoch, self.renew_at = saved_epoch, time.time() + self.RENEW_S
-        metrics.publish_monitor(self.dht, self.run_id, self.public_key, max(saved_epoch, -1), self.EXPIRE_S)
+        metrics.publish_monitor(self.dht, self.run_id, self.public_key, saved_epoch, self.EXPIRE_S)
 
 
 class Evaluator:
@@ -286,9 +286,10 @@ def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[s
                 _log_point(point)
         board.close()
         stop.restore()
-        if model is not None:
-            model.shutdown(network_alive=not died)
-        if died:  # an averager whose start the death interrupted has no owner left to stop it
+        if model is not None and not died:
+            model.shutdown()
+        if died:  # hivemind's goodbye would wait on the dead DHT, and an averager whose start the death
+            # interrupted (no model yet) has no other owner: stop every child process directly
             for child in multiprocessing.active_children():
                 child.terminate()
                 child.join(5)

@@ -75,17 +75,9 @@ class SwarmModel:
         epoch = self.averager.local_epoch
         return epoch if epoch >= 0 else None
 
-    def shutdown(self, network_alive: bool = True) -> None:
-        """hivemind's shutdown of the averager; without the DHT process or the p2p daemon (``network_alive``
-        false) the averager is stopped directly: its goodbye would wait on them, and the monitor exits without
-        waiting for it, leaving it behind."""
-        if not self.averager.is_alive():
-            return
-        if network_alive:
+    def shutdown(self) -> None:
+        if self.averager.is_alive():
             self.averager.shutdown()
-        else:
-            self.averager.terminate()
-            self.averager.join(5)
 
 
 class CheckpointKeeper:

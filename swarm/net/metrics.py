@@ -311,11 +311,18 @@ def publish_monitor(
 def fetch_monitors(dht: "hivemind.DHT", run_id: str, timeout: float = 10.0) -> list[MonitorRecord]:
     """The live monitors' records of ``run_id`` ([] when no monitor is there); raises TimeoutError after
     ``timeout`` seconds."""
+    return _parsed(subkey_entries(dht, monitor_key(run_id), timeout), MonitorRecord)
+
+
+def _parsed(entries: dict, model: Any) -> list:
+    """The values of ``entries`` parsed as ``model``; schema-checked by the DHT already, so a bad or empty
+    one is simply skipped."""
     out = []
-    for entry in subkey_entries(dht, monitor_key(run_id), timeout).values():
+    for entry in entries.values():
         try:
-            out.append(MonitorRecord.parse_obj(entry.value))
-        except Exception:  # schema-checked by the DHT already; a bad one is simply skipped
+            if entry.value is not None:
+                out.append(model.parse_obj(entry.value))
+        except Exception:
             continue
     return out
 
@@ -329,11 +336,4 @@ def fetch_progress(dht: "hivemind.DHT", run_id: str, timeout: float = 10.0) -> l
     """hivemind's per-peer LocalTrainingProgress records (epoch, samples toward the next step, client)."""
     from hivemind.optim.progress_tracker import LocalTrainingProgress
 
-    out = []
-    for entry in subkey_entries(dht, progress_key(run_id), timeout).values():
-        try:
-            if entry.value is not None:
-                out.append(LocalTrainingProgress.parse_obj(entry.value))
-        except Exception:  # schema-checked by hivemind already; a bad one is simply skipped
-            continue
-    return out
+    return _parsed(subkey_entries(dht, progress_key(run_id), timeout), LocalTrainingProgress)

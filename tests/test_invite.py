@@ -19,6 +19,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from hivemind.averaging import DecentralizedAverager
+from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.config import SwarmConfig
@@ -344,3 +345,47 @@ def test_an_invited_averager_never_calls_an_uninvited_peer(invites, cleanup, mon
     refused = f"peer {stranger.peer_id} was refused: it has shown no invite"
     with pytest.raises(fence.NotInvited, match=refused):
         asyncio.run(download())
+
+
+class _Presenting(authorizer.InviteAuthorizer):
+    """A DHT authorizer that presents ``shown`` as its token whatever its own PeerID (if given; else its own
+    token, made from its invite) and reads every response."""
+
+    def __init__(self, invite, shown=None):
+        super().__init__(invite)
+        self.shown = shown
+
+    def token(self, peer_id):
+        return self.shown if self.shown is not None else super().token(peer_id)
+
+    def admits(self, token, peer_id, what):
+        return True
+
+
+def test_a_token_copied_from_an_invited_peer_is_refused_from_another_peer(invites, cleanup):
+    """A DHT message carries no signature of its own: its token is bound to the PeerID that libp2p's secure
+    channel authenticates. Every peer that b talks to sees b's token; presented by another PeerID it admits
+    nothing, while a token the same code makes from an invite for its own PeerID is admitted (the control)."""
+    from swarm.patches.dht import SwarmDHT
+
+    a = _peer(invites["alice"], [], cleanup)
+    b = _peer(invites["bob"], [str(m) for m in a.dht.get_visible_maddrs()], cleanup)
+    bob = load_invite(invites["bob"])
+    seen_from_b = authorizer.InviteAuthorizer(bob).token(b.dht.peer_id)  # what b puts into every message
+
+    def store_through(presenting: _Presenting, key: str) -> None:
+        """Store ``key`` from a new node (a DHT of this project) that presents what ``presenting`` does; its
+        store returns once the nodes it reached answered (True even if none did: it keeps a copy itself)."""
+        other = SwarmDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], authorizer=presenting,
+                         initial_peers=[str(m) for m in a.dht.get_visible_maddrs()],
+                         ensure_bootstrap_success=False)  # fmt: skip
+        cleanup.append(other)
+        assert other.peer_id != b.dht.peer_id
+        other.store(key, "written", expiration_time=get_dht_time() + 60)
+
+    store_through(_Presenting(bob), f"{RUN}_own_token")  # the control: a token for its own PeerID
+    assert a.dht.get(f"{RUN}_own_token", latest=True) is not None
+
+    store_through(_Presenting(bob, shown=seen_from_b), f"{RUN}_copied_token")
+    assert a.dht.get(f"{RUN}_copied_token", latest=True) is None
+    assert b.dht.get(f"{RUN}_copied_token", latest=True) is None

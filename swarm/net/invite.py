@@ -5,8 +5,8 @@ The owner of a run holds an Ed25519 key (``owner.pem``). An invite is one JSON f
 - a **certificate** the owner signed: the run id, the invite's name, its expiry, the owner's public key and
   the public half of a key made for this invite alone;
 - that invite key's **private half**, with which the holder proves, without ever sending the file, that it
-  holds the invite: it signs its DHT access token (hivemind's TokenAuthorizerBase, see swarm/net/fence.py) and
-  a member record that ties its libp2p PeerID to the certificate.
+  holds the invite: it signs its DHT access token and a member record, each of which ties its libp2p PeerID to
+  the certificate (swarm/net/authorizer.py, swarm/net/fence.py).
 
 Every peer checks certificates against the owner's public key, which travels in its own invite, so no
 server is asked. Whoever holds an invite file can use it until it expires or the owner revokes its name:

@@ -11,7 +11,8 @@ or refused connection costs a logged traceback and a 3 s pause.
 
 **What this changes.** :class:`SwarmDHT` reads its pipe through :class:`RequestPipe`, which skips such a
 request (nobody waits for its answer). It is a subclass, used wherever swarm/net/node.py starts a DHT; nothing
-is replaced process-wide.
+is replaced in the process that starts it. In its own process it also installs swarm/patches/auth.py's RPC
+wrapper.
 """
 
 from __future__ import annotations
@@ -44,9 +45,13 @@ class RequestPipe:
 
 
 class SwarmDHT(hivemind.DHT):
-    """hivemind.DHT whose background process survives requests from processes that exited meanwhile."""
+    """hivemind.DHT whose background process survives requests from processes that exited meanwhile, and
+    whose RPCs bind access tokens to PeerIDs (swarm/patches/auth.py)."""
 
     def run(self) -> None:
+        from swarm.patches import auth
+
+        auth.install_in_dht_process()  # this process's DHT RPCs check tokens against the channel's PeerID
         self._inner_pipe = RequestPipe(self._inner_pipe)
         super().run()
 

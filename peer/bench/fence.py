@@ -1,8 +1,8 @@
 """``fence``: what an invite-only swarm costs. First a DHT store among 3 nodes, open and fenced (twice each);
 then two peers train the demo for a fixed number of global epochs,
 open and invite-only in turn (``pairs`` times each, alternating, so that the machine's noise hits both):
-samples/s of each, and their ratio within each pair. The fence signs and checks every DHT request and
-response and checks each averaging partner (swarm/net/fence.py)."""
+samples/s of each, and their ratio within each pair. The fence checks the access token of every DHT request
+and response (swarm/net/authorizer.py) and each averaging partner (swarm/net/fence.py)."""
 
 from __future__ import annotations
 

@@ -13,12 +13,14 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import hivemind
 import pytest
 import torch
 from click.testing import CliRunner
 from hivemind.averaging import DecentralizedAverager
+from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
@@ -33,7 +35,7 @@ from swarm.net.invite import (
     sign_revocation,
 )
 from swarm.net.node import SwarmConnectionError, SwarmNode, start_node
-from swarm.patches import rpc_guard
+from swarm.patches import progress, rpc_guard
 from swarm.procs import remove_stale_sockets
 from swarm.waiting import wait_until
 
@@ -91,7 +93,8 @@ def invites(tmp_path):
     owner, created = load_or_create_owner_key(tmp_path / "owner.pem")
     stranger, _ = load_or_create_owner_key(tmp_path / "stranger.pem")
     paths = {}
-    for name, key, lifetime in [("alice", owner, 3600), ("bob", owner, 3600), ("mallory", stranger, 3600)]:
+    for name, key, lifetime in [("alice", owner, 3600), ("bob", owner, 3600), ("eve", owner, 3600),
+                                ("mallory", stranger, 3600)]:  # fmt: skip
         make_invite(key, RUN, name, lifetime).save(tmp_path / f"{name}.tok")
         paths[name] = str(tmp_path / f"{name}.tok")
     paths["owner"] = owner
@@ -120,8 +123,15 @@ class Peer:
         return self.node.dht
 
 
-def _peer(invite: str | None, initial: list[str], cleanup: list) -> Peer:
-    """A node of this project (started as every role starts it), its member record published."""
+def _peer(
+    invite: str | None,
+    initial: list[str],
+    cleanup: list,
+    key: RSAPrivateKey | None = None,
+    member: bool = True,
+) -> Peer:
+    """A node of this project (started as every role starts it), its member record published under ``key``
+    (a new one by default) unless not ``member``."""
     cfg = SwarmConfig(
         run_id=RUN,
         host_maddrs=("/ip4/127.0.0.1/tcp/0",),
@@ -129,10 +139,11 @@ def _peer(invite: str | None, initial: list[str], cleanup: list) -> Peer:
         invite=invite,
         bootstrap_timeout=5.0,
     )
-    validators, public_key = metrics.make_validators(RUN, RSAPrivateKey())
+    validators, public_key = metrics.make_validators(RUN, key or RSAPrivateKey())
     node = start_node(cfg, validators)
     cleanup.append(node)
-    node.fence_averagers(public_key)
+    if member:
+        node.fence_averagers(public_key)
     return Peer(node, public_key)
 
 
@@ -389,3 +400,62 @@ def test_a_token_copied_from_an_invited_peer_is_refused_from_another_peer(invite
     store_through(_Presenting(bob, shown=seen_from_b), f"{RUN}_copied_token")
     assert a.dht.get(f"{RUN}_copied_token", latest=True) is None
     assert b.dht.get(f"{RUN}_copied_token", latest=True) is None
+
+
+class _ClaimingTracker(ProgressTracker):
+    """A progress tracker changed as an invited attacker would change it: its records claim ``claim``'s
+    PeerID, not its own."""
+
+    claim: Any = None
+
+    def _get_local_progress(self, *args: Any, **kwargs: Any) -> Any:
+        found = super()._get_local_progress(*args, **kwargs)
+        return found if self.claim is None else found.copy(update={"peer_id": self.claim.to_bytes()})
+
+
+def test_progress_records_count_only_under_the_peer_id_of_their_signers_member_record(
+    invites, cleanup, caplog
+):
+    """Item 26 (swarm/patches/progress.py ``vouched_by``, ``keep_only``). Honest a and b, and eve, invited
+    too, whose records claim b's PeerID (a ban of eve, or a refusal, would then miss them, and one of b hit
+    them), plus a node of eve's whose key has no member record (a DHT process signs with one key). Plain
+    hivemind counts every record: 4 peers. With the member book, a's reads count a and b, and a warns once
+    about eve's invite."""
+    keys = {name: RSAPrivateKey() for name in ("alice", "bob", "eve", "eve2")}
+    a = _peer(invites["alice"], [], cleanup, keys["alice"])
+    address = [str(m) for m in a.dht.get_visible_maddrs()]
+    b = _peer(invites["bob"], address, cleanup, keys["bob"])
+    eve = _peer(invites["eve"], address, cleanup, keys["eve"])
+    eve_unlisted = _peer(invites["eve"], address, cleanup, keys["eve2"], member=False)
+    trackers = []
+    for node, key, cls, samples in [(a, keys["alice"], ProgressTracker, 5),
+                                    (b, keys["bob"], ProgressTracker, 7),
+                                    (eve, keys["eve"], _ClaimingTracker, 100),
+                                    (eve_unlisted, keys["eve2"], ProgressTracker, 1000)]:  # fmt: skip
+        tracker = cls(node.dht, RUN, 10**6, max_refresh_period=60.0, private_key=key, start=False)
+        tracker.claim = b.dht.peer_id
+        tracker.report_local_progress(0, samples)
+        trackers.append(tracker)
+    a_tracker = trackers[0]
+    plain = a_tracker._parse_swarm_progress_data  # hivemind's own
+    book = fence.MemberBook(a.dht, load_invite(invites["alice"]))
+    progress.keep_only(a_tracker, progress.vouched_by(book.current, a_tracker._local_public_key))
+    for tracker in trackers:
+        tracker.start()
+        cleanup.append(tracker)
+    assert wait_until(lambda: len(book.current() or {}) == 3, timeout=20)
+
+    def read() -> tuple:
+        found = a.dht.get(a_tracker.training_progress_key, latest=True)
+        raw = plain(found.value if found is not None else None)
+        a_tracker.global_progress.next_fetch_time = get_dht_time()  # a's own read, now
+        a_tracker.global_state_updated.set()
+        vouched = a_tracker.global_progress
+        return (raw.num_peers, raw.samples_accumulated), (vouched.num_peers, vouched.samples_accumulated)
+
+    assert wait_until(lambda: read() == ((4, 1112), (2, 12)), timeout=20, interval=0.25), read()
+    warned = [r.getMessage() for r in caplog.records if "Ignored the progress records" in r.getMessage()]
+    assert warned == [
+        f"Ignored the progress records of invite 'eve', which claim PeerID {b.dht.peer_id} while its member "
+        f"record names {eve.dht.peer_id}"
+    ]

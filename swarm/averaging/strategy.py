@@ -45,6 +45,7 @@ from swarm.averaging.screen import RoundScreen
 from swarm.compression import parse_compression
 from swarm.config import AVERAGING, SwarmConfig
 from swarm.log import quiet_hivemind
+from swarm.net.fence import MemberBook
 from swarm.patches import grad_averager, matchmaking, progress, robust, traffic
 from swarm.patches.optimizer import Wired, Wiring, wire
 from swarm.patches.state_averager import REFUSE_FOR, state_sketch
@@ -198,6 +199,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         # checks every downloaded state against the swarm's (swarm/averaging/donors.py); refused downloads
         own = node.dht.peer_id.to_base58()
         self.donor_check = DonorCheck(node.dht, run_id, own, node.invite) if check_downloads else None
+        # invite-only: the progress records count under the PeerIDs their signers' member records name
+        self.member_book = MemberBook(node.dht, node.invite) if node.invite is not None else None
         self.refused_downloads = 0
         self._nonfinite_in_row = 0  # local steps in a row with non-finite gradients
         self.clock: RoundClock | None = None
@@ -401,6 +404,7 @@ class HivemindStrategy(SingleDeviceStrategy):
                 on_local_fallback=self._on_local_fallback,
                 check_download=self.donor_check,
                 on_refused=self._on_refused_download,
+                members=self.member_book.current if self.member_book is not None else None,
             ),
         )
         self.clock = self._wired.instrument

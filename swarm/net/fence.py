@@ -63,14 +63,15 @@ def verified_member(value: Any, owner_key: bytes, run_id: str) -> Member | None:
     return Member(record.peer_id, cert.name, cert.expires)
 
 
-def members_by_key(dht: Any, invite: Invite, timeout: float = 5.0) -> dict[bytes, Member]:
-    """The members of ``invite``'s run by the DHT key that signed their member record (the key that signs
-    their other records too), revoked invites left out. Raises on a failed read."""
-    futures = [
+def _member_reads(dht: Any, invite: Invite) -> list[Any]:
+    """Futures of the two DHT reads that :func:`_members` judges: the member records and the revocations."""
+    return [
         dht.get(key, latest=True, return_future=True)
         for key in (members_key(invite.run_id), revoked_key(invite.run_id))
     ]
-    found, revoked = (future.result(timeout) for future in futures)
+
+
+def _members(found: Any, revoked: Any, invite: Invite) -> dict[bytes, Member]:
     gone = revoked_names(revocation_records(revoked), invite.owner_key, invite.run_id)
     out = {}
     if found is not None and isinstance(found.value, dict):
@@ -79,6 +80,43 @@ def members_by_key(dht: Any, invite: Invite, timeout: float = 5.0) -> dict[bytes
             if member is not None and member.name not in gone:
                 out[subkey] = member
     return out
+
+
+def members_by_key(dht: Any, invite: Invite, timeout: float = 5.0) -> dict[bytes, Member]:
+    """The members of ``invite``'s run by the DHT key that signed their member record (the key that signs
+    their other records too), revoked invites left out. Raises on a failed read."""
+    found, revoked = (future.result(timeout) for future in _member_reads(dht, invite))
+    return _members(found, revoked, invite)
+
+
+class MemberBook:
+    """:func:`members_by_key`, read in the background for a caller that must not wait on the DHT (the
+    progress tracker's reads): :meth:`current` returns the newest read that has come back (None before the
+    first) and starts another when the last was asked for ``period`` seconds ago or more."""
+
+    period = 2.0
+
+    def __init__(self, dht: Any, invite: Invite) -> None:
+        self.dht, self.invite = dht, invite
+        self._members: dict[bytes, Member] | None = None
+        self._pending: list[Any] | None = None
+        self._asked = -float("inf")
+        self._lock = threading.Lock()
+
+    def current(self) -> dict[bytes, Member] | None:
+        with self._lock:
+            if self._pending is not None and all(future.done() for future in self._pending):
+                try:
+                    self._members = _members(*(future.result() for future in self._pending), self.invite)
+                except Exception as exc:  # a failed read: the last one stands until the next
+                    log.debug("Could not read the member records: %r", exc)
+                self._pending = None
+            if self._pending is None and time.monotonic() - self._asked >= self.period:
+                try:
+                    self._pending, self._asked = _member_reads(self.dht, self.invite), time.monotonic()
+                except Exception as exc:  # a DHT that is shutting down
+                    log.debug("Could not read the member records: %r", exc)
+            return self._members
 
 
 class Fence:

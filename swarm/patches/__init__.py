@@ -12,7 +12,8 @@ module                 hivemind area (and the items of docs/hivemind-patches.md 
                        records (18)
 ``grad_averager``      optim/grad_averager.py: a failed round steps on the peer's own gradient (2)
 ``progress``           optim/progress_tracker.py: throttled records (6), reads when speeds are
-                       unknown (14, 19), the swarm expected at a new epoch (15)
+                       unknown (14, 19), the swarm expected at a new epoch (15), records that
+                       speak for their signer's member (26)
 ``optimizer``          optim/optimizer.py: rounds never cancelled or skipped (5, 10), judged
                        gradients (7), strangers met (11), downloads numbered (13), agreed state
                        rounds skipped (16), AdamW counters by epoch (17)

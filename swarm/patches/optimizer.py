@@ -88,6 +88,9 @@ class Wiring:
     """A swarm.averaging.donors.DonorCheck: every download is checked against the swarm's state (item 23)."""
     on_refused: Callable[[str, str], None] | None = None
     """Told (donor, reason) of every download that the screen or the check refused (item 23)."""
+    members: Callable[[], Any] | None = None
+    """Invite-only: the run's members by signing key (swarm.net.fence.MemberBook ``current``); the progress
+    records count only under the PeerID that their signer's member record names (item 26)."""
 
 
 @dataclass
@@ -127,7 +130,12 @@ def wire(opt: Any, wiring: Wiring) -> Wired:
         screen_rounds(opt, wiring.screen, wiring.on_rejected, wiring.own_scale)  # item 7
     opt.state_averager.check_download = wiring.check_download  # item 23
     opt.state_averager.on_refused = wiring.on_refused
-    decide_downloads_after_refusals(opt)  # items 24, 25: a refused or unserved epoch keeps nobody downloading
+    keep = None
+    if wiring.members is not None:  # item 26: a record speaks for the PeerID its signer's member record names
+        keep = progress.vouched_by(wiring.members, opt.tracker._local_public_key)
+    decide_downloads_after_refusals(opt, keep)  # items 24, 25: a refused or unserved epoch: no download loop
+    if keep is not None:  # outermost: every wrapper of the tracker's reads above sees only vouched records
+        progress.keep_only(opt.tracker, keep)
     # wrappers of the same methods run outermost-last: the clock times the state round that the two below
     # may skip (a skipped round is then not timed as one), and its update hooks come before the lock's
     if wiring.instrument is not None:
@@ -215,7 +223,7 @@ def download_the_epoch_it_names(opt: Any, attempts: int = 3, pause: float = 0.5)
     opt.load_state_from_peers = load_state_from_peers
 
 
-def decide_downloads_after_refusals(opt: Any) -> None:
+def decide_downloads_after_refusals(opt: Any, keep: Any = None) -> None:
     """Items 24 and 25, on one ``hivemind.Optimizer`` with the swarm's state averager (its ``refused_donors``,
     each refused until ``REFUSE_FOR`` seconds after its refusal, and ``donor_answered``): the tracker's reads
     count the epoch of a refused donor, and of a peer whose epoch no donor served, as no more than this peer's
@@ -262,7 +270,7 @@ def decide_downloads_after_refusals(opt: Any) -> None:
         # one epoch ahead: a donor that stepped while this peer downloaded (item 13 downloads again)
         if not averager.donor_answered or tracker.global_epoch <= held + 1:
             return result
-        claims = progress.claimed_epochs(tracker).items()
+        claims = progress.claimed_epochs(tracker, keep=keep).items()
         ahead = {peer: epoch for peer, epoch in claims if epoch > held + 1 and not discounted(peer)}
         if ahead:
             now = marked[0] = time.monotonic()

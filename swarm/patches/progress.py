@@ -28,6 +28,8 @@ read forward for a peer that waits (DiLoCo after its inner steps; ``--min-peers`
 :func:`leave_out_banned` reads the swarm without the peers that this peer banned; :func:`discount_refused`
 (item 24) counts a refused donor's epoch as no more than this peer's own. :func:`pace_by_time`
 (item 22) makes the target batch what the swarm computes in a given time, at the speeds of its records.
+:func:`keep_only` with :func:`vouched_by` (item 26) keeps, in an invite-only swarm, only the records whose
+claimed PeerID is the one their signer's member record names.
 
 These wrap methods of one running ``ProgressTracker``; nothing here is process-wide. The tracker keeps what
 item 15 needs in a :class:`LastRead` that the wrappers share.
@@ -131,6 +133,53 @@ def _record_peer(entry: Any) -> str | None:
         return None
 
 
+def vouched_by(members: Any, own_key: bytes) -> Any:
+    """For an invite-only swarm: a predicate ``keep(subkey, entry)`` on progress records that keeps a record
+    only if its PeerID is the one that the member record signed by the same DHT key names (swarm/net/fence.py;
+    ``members()`` returns them by key, or None before the first read, when every record is kept), and this
+    peer's own (``own_key``). A record's ``peer_id`` is whatever its writer claims, and the bans, the refused
+    donors and the claimed epochs are all keyed by it: an invited peer could otherwise write its records in an
+    honest peer's name, or in a name nobody banned. One warning per signing key that claims another member's
+    PeerID; a key without a member record (a newcomer not read yet, or a stranger) is left out silently."""
+    warned: set[bytes] = set()
+
+    def keep(subkey: Any, entry: Any) -> bool:
+        book = members()
+        if book is None or subkey == own_key:
+            return True
+        member, claimed = book.get(subkey), _record_peer(entry)
+        if member is None:
+            return False
+        if member.peer_id == claimed:
+            return True
+        if subkey not in warned:
+            warned.add(subkey)
+            log.warning(
+                "Ignored the progress records of invite %r, which claim PeerID %s while its member record "
+                "names %s",
+                member.name,
+                claimed,
+                member.peer_id,
+            )
+        return False
+
+    return keep
+
+
+def keep_only(tracker: Any, keep: Any) -> None:
+    """On one running ``ProgressTracker``: every read of the swarm's progress sees only the records for which
+    ``keep(subkey, entry)`` is true (:func:`vouched_by`). Install it after every other wrapper of
+    ``_parse_swarm_progress_data``, so that they all see what it leaves."""
+    parse = tracker._parse_swarm_progress_data
+
+    def parsed(metadata: Any) -> Any:
+        if isinstance(metadata, dict):
+            metadata = {key: entry for key, entry in metadata.items() if keep(key, entry)}
+        return parse(metadata)
+
+    tracker._parse_swarm_progress_data = parsed
+
+
 def leave_out_banned(tracker: Any, banned: Any) -> None:
     """On one running ``ProgressTracker``: the records of peers for which ``banned(peer_id_text)`` is true
     are left out of every read (swarm/suspects.py). Left in, a banned peer still counts in
@@ -158,10 +207,11 @@ class Reads:
     at: float = -math.inf
 
 
-def claimed_epochs(tracker: Any, timeout: float = 5.0) -> dict[str, int]:
+def claimed_epochs(tracker: Any, timeout: float = 5.0, keep: Any = None) -> dict[str, int]:
     """Item 25: the epoch that each peer's progress record claims now (base58 PeerID -> epoch), read from
     the DHT as the tracker reads it (progress_tracker.py:246-249); records in client mode, which hivemind
-    leaves out of the swarm's epoch, and malformed ones are left out. Empty if the read fails."""
+    leaves out of the swarm's epoch, malformed ones and those that ``keep(subkey, entry)`` (if given) refuses
+    are left out. Empty if the read fails."""
     try:
         read = tracker.dht.get(tracker.training_progress_key, latest=True, return_future=True)
         found = read.result(timeout)
@@ -169,7 +219,9 @@ def claimed_epochs(tracker: Any, timeout: float = 5.0) -> dict[str, int]:
         log.debug("Could not read the swarm's progress records: %r", e)
         return {}
     epochs = {}
-    for entry in (found.value if found is not None and isinstance(found.value, dict) else {}).values():
+    for subkey, entry in (found.value if found is not None and isinstance(found.value, dict) else {}).items():
+        if keep is not None and not keep(subkey, entry):
+            continue
         peer, value = _record_peer(entry), getattr(entry, "value", None)
         if peer is not None and isinstance(value, dict) and not value.get("client_mode", False):
             if isinstance(value.get("epoch"), int):

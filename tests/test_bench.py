@@ -293,3 +293,22 @@ def test_churn_replaces_one_peer_in_five_every_30_to_60_s_and_counts_what_reache
     assert fields["kills"] == 1 and fields["incarnations"] == 3
     assert fields["newcomer_seconds_each"] == [30.0] and fields["newcomer_startup_s"] == [20.0]
     assert fields["churn_window_s"] == 100.0 and fields["samples_per_second"] == 80.0
+
+
+def test_an_attack_row_counts_each_honest_peers_bans_of_every_attacker():
+    """With two attackers, a row reports when each honest peer had banned both (None if it banned one), from
+    the suspects in its summary; a ban of an honest peer is not one of them."""
+    from peer.bench.attack import ROWS, _banned_after, _bans, _peer_id
+
+    began = 1000.0
+    both = {"suspects": [{"peer": "A1", "first_banned": 1004.0}, {"peer": "A2", "first_banned": 1031.5},
+                         {"peer": "H2", "first_banned": 0.0}]}  # fmt: skip
+    one = {"suspects": [{"peer": "A1", "first_banned": 0.0}, {"peer": "A2", "first_banned": 1009.0},
+                        {"peer": "H3", "first_banned": 1002.0}]}  # fmt: skip
+    attackers = ["A1", "A2"]
+    assert [_banned_after(s, began, attackers) for s in (both, one)] == [31.5, None]
+    assert [len(_bans(s, attackers)) for s in (both, one)] == [2, 1]
+    assert [_banned_after(s, began) for s in (both, one)] == [4.0, 2.0]  # any groupmate's first ban
+    assert _peer_id("/ip4/127.0.0.1/tcp/1/p2p/12D3KooWabc") == "12D3KooWabc"
+    assert {row.seconds for row in ROWS if row.attackers > 1} == {60.0}
+    assert {row.seconds for row in ROWS if row.attackers == 1} == {30.0}

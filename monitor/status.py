@@ -22,6 +22,7 @@ class SwarmStatus:
     progress: list[Any] = field(default_factory=list)
     target_batch_size: int = 0
     reachability: str = ""
+    monitors: list[metrics.MonitorRecord] = field(default_factory=list)
 
 
 def reachability(addresses: list[str], client_mode: bool, verdict: reach.Verdict | None = None) -> str:
@@ -76,6 +77,7 @@ def collect(cfg: ExperimentConfig, timeout: float = 10.0) -> SwarmStatus:
                 metrics.fetch(dht, cfg.swarm.run_id, timeout=timeout).values(), key=lambda r: r.peer_name
             )
             status.progress = metrics.fetch_progress(dht, cfg.swarm.run_id, timeout=timeout)
+            status.monitors = metrics.fetch_monitors(dht, cfg.swarm.run_id, timeout=timeout)
         except TimeoutError:
             raise SwarmConnectionError(
                 f"the swarm's records did not arrive within {timeout:.0f} s (a busy or distant DHT): run "
@@ -120,8 +122,22 @@ def swarm_epoch(status: SwarmStatus) -> tuple[int, list[tuple[str, int]]]:
     return max(kept + metrics_epochs, default=0), claims
 
 
-def render(status: SwarmStatus) -> str:
-    """The summary as text, one screen."""
+def monitor_line(monitors: list[metrics.MonitorRecord], now: float) -> str:
+    """What the monitors' records say: the newest epoch a monitor evaluated (and so holds as a checkpoint)."""
+    if not monitors:
+        return "none seen (`swarm-peer monitor` evaluates the swarm's model and keeps the best checkpoint)"
+    newest = max(monitors, key=lambda m: m.time)
+    several = f"; {len(monitors)} monitors" if len(monitors) > 1 else ""
+    held = max(m.saved_epoch for m in monitors)
+    what = f"holds global epoch {held}" if held >= 0 else "up, nothing evaluated yet"
+    return f"{what} (record renewed {max(0.0, now - newest.time):.0f} s ago{several})"
+
+
+def render(status: SwarmStatus, now: float | None = None) -> str:
+    """The summary as text, one screen (``now``: the DHT time to age the monitor's record by)."""
+    from hivemind.utils import get_dht_time
+
+    now = get_dht_time() if now is None else now
     lines = [f"Swarm {status.run_id!r} (asked {status.via})"]
     if not status.records and not status.progress:
         lines.append(
@@ -163,6 +179,7 @@ def render(status: SwarmStatus) -> str:
         lines.append(f"  val acc:        {acc:.4f} at global epoch {latest} ({who})")
     else:
         lines.append("  val acc:        none reported yet")
+    lines.append(f"  monitor:        {monitor_line(status.monitors, now)}")
     lines.append(f"  this machine:   {status.reachability}")
     if status.records:
         rejected = sum(r.rejected_rounds or 0 for r in status.records)

@@ -189,6 +189,30 @@ def test_status_names_the_peers_that_peers_ban():
     ) in text.splitlines(), text
 
 
+def test_status_says_which_epoch_the_monitor_holds():
+    """The monitors' records (``<run>_monitor``): the newest epoch one evaluated and how old the newest record
+    is; a monitor that evaluated nothing yet; none at all."""
+    from monitor.status import SwarmStatus, render
+    from swarm.net.metrics import MonitorRecord
+
+    status = SwarmStatus("run", "addr", records=[rec("a", 40)], reachability="loopback only")
+    line = [x for x in render(status, now=100.0).splitlines() if x.startswith("  monitor:")]
+    assert line == [
+        "  monitor:        none seen (`swarm-peer monitor` evaluates the swarm's model and keeps the best "
+        "checkpoint)"
+    ]
+    status.monitors = [MonitorRecord(saved_epoch=35, time=93.0), MonitorRecord(saved_epoch=-1, time=99.0)]
+    assert (
+        "  monitor:        holds global epoch 35 (record renewed 1 s ago; 2 monitors)"
+        in render(status, now=100.0).splitlines()
+    )
+    status.monitors = [MonitorRecord(saved_epoch=-1, time=90.0)]
+    assert (
+        "  monitor:        up, nothing evaluated yet (record renewed 10 s ago)"
+        in render(status, now=100.0).splitlines()
+    )
+
+
 def test_the_monitor_names_each_banned_peer_once_with_what_to_do(caplog):
     """An open swarm: the advice is an invite-only swarm (an invite-only one names the invite and the revoke
     command, read from the member records: tests/test_invite.py)."""

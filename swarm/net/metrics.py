@@ -150,7 +150,8 @@ def monitor_key(run_id: str) -> str:
 class MonitorRecord(BaseModel):
     """A monitor's presence: the newest global epoch whose state it downloaded and evaluated (-1: none
     yet), renewed while it runs. A peer that reached max_epochs shares its final state until a monitor holds
-    it, and leaves at once when no monitor is there (peer/volunteer.py)."""
+    it and every peer's record is at that epoch, and for its whole linger when no monitor is there
+    (peer/volunteer.py); ``swarm-peer status`` shows it."""
 
     saved_epoch: conint(ge=-1, strict=True)
     time: StrictFloat

@@ -459,3 +459,25 @@ def test_progress_records_count_only_under_the_peer_id_of_their_signers_member_r
         f"Ignored the progress records of invite 'eve', which claim PeerID {b.dht.peer_id} while its member "
         f"record names {eve.dht.peer_id}"
     ]
+
+
+def test_a_token_of_an_older_release_is_refused_with_what_to_do(invites, caplog):
+    """Before tokens were bound to PeerIDs they named a 32-byte Ed25519 key of the node's own: such a peer
+    is refused, and the refusing peer says that it runs an older release."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+    from hivemind.p2p import PeerID
+    from hivemind.proto.auth_pb2 import AccessToken
+
+    bob = load_invite(invites["bob"])
+    key = Ed25519PrivateKey.generate().public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    old = AccessToken(username=bob.certificate.to_text(), public_key=key,
+                      expiration_time=repr(bob.certificate.expires))  # fmt: skip
+    old.signature = bob.sign(authorizer._token_bytes(old))
+    gate = authorizer.InviteAuthorizer(load_invite(invites["alice"]))
+    sender = PeerID.from_base58("12D3KooWH1z6BfU1JbWHDHZyU8g6F1GD6j6DiMr5S4pKGBudadzN")
+    with caplog.at_level("WARNING", logger="swarm.net.authorizer"):
+        assert not gate.admits(old, sender, "request")
+        assert gate.admits(authorizer.InviteAuthorizer(bob).token(sender), sender, "request")  # the control
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "it runs an older swarm trainer, whose access tokens name no PeerID" in line, line

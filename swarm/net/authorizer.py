@@ -27,6 +27,7 @@ from swarm.net.invite import Certificate, Invite, InviteError, refusal, revoked_
 from swarm.net.metrics import revocation_records, revoked_key
 
 log = logging.getLogger(__name__)
+_ED25519_KEY_BYTES = 32  # a raw Ed25519 public key; a PeerID's bytes (a multihash) are longer
 
 
 def _token_bytes(token: AccessToken) -> bytes:
@@ -80,7 +81,12 @@ class InviteAuthorizer(AuthorizerBase):
         """Whether ``token`` admits the peer that the channel authenticated as ``peer_id``; ``what`` (request
         or response) names the message in the one warning logged per refused peer."""
         problem = self._problem(token)
-        if problem is None and token.public_key != peer_id.to_bytes():
+        if problem is None and len(token.public_key) == _ED25519_KEY_BYTES:  # what tokens held before PeerIDs
+            problem = (
+                "it runs an older swarm trainer, whose access tokens name no PeerID: every peer of an "
+                "invite-only swarm needs a release that binds them (upgrade it)"
+            )
+        elif problem is None and token.public_key != peer_id.to_bytes():
             problem = "its access token was made for another peer"
         if problem is None:
             return True

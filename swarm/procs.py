@@ -289,21 +289,32 @@ def remove_stale_sockets(since: float = 0.0, exclude_own: bool = False, settle: 
     cost every leaving peer the whole ``settle``.
     """
     removed, deadline = 0, time.time() + settle
+    waited: set[str] = set()  # files that this process's own were seen to hold
     while True:
+        # decided before the clean-up below, so that the last pass sees what a released socket left behind
+        finished = time.time() >= deadline or not _held_by_ours(since, waited)
         for path in stale_sockets(since, exclude_own):
             try:
                 os.unlink(path)
                 removed += 1
             except FileNotFoundError:
                 pass
-        pending = [p for p in glob.glob(SOCKET_GLOB) if _mtime(p) >= since]
-        if pending:
-            ours = (set(descendants(os.getpid())) | set(group_members(os.getpgid(0)))) - {os.getpid()}
-            _, held = _bound_unix_paths(mine=_socket_inodes(sorted(ours)))
-            pending = [p for p in pending if p in held]
-        if not pending or time.time() >= deadline:
+        if finished:
             return removed
         time.sleep(0.2)
+
+
+def _held_by_ours(since: float, waited: set[str]) -> bool:
+    """Whether a hivemind socket file newer than ``since`` is bound by this process's descendants or its
+    process group (which adds such files to ``waited``), or, being in ``waited``, is still bound at all: a
+    child that is exiting has closed its descriptors a moment before the kernel drops its sockets."""
+    pending = [p for p in glob.glob(SOCKET_GLOB) if _mtime(p) >= since]
+    if not pending:
+        return False
+    ours = (set(descendants(os.getpid())) | set(group_members(os.getpgid(0)))) - {os.getpid()}
+    others, held = _bound_unix_paths(mine=_socket_inodes(sorted(ours)))
+    waited |= {p for p in pending if p in held}
+    return any(p in held or (p in waited and p in others) for p in pending)
 
 
 def _mtime(path: str) -> float:

@@ -380,6 +380,29 @@ def test_a_leaving_process_waits_for_its_own_childrens_sockets_not_for_other_pee
             os.unlink(path)
 
 
+def test_a_socket_released_while_the_clean_up_looks_is_removed_by_it():
+    """The clean-up decides whether to go on waiting before it removes what is stale, so that its last pass
+    sees the sockets its children released meanwhile. Here the child is killed right after a pass looked (its
+    socket still bound then): the file is removed all the same. When the clean-up removed first and decided
+    afterwards, a release between the two left the file behind (a fresh-clone suite failed the test above so,
+    the file there removed by nobody)."""
+    started = time.time()
+    path = f"/tmp/hivemind-p2ptest-race-{os.getpid()}.sock"
+    leaver = subprocess.Popen(
+        [sys.executable, "-c", _LEAVE_RACE.format(since=started, child=_HOLD.format(path=path, seconds=60),
+                                                  path=path)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        removed, exists = leaver.communicate(timeout=60)[0].split()
+        assert (removed, exists) == ("1", "False")
+    finally:
+        leaver.kill()
+        leaver.wait()
+        if os.path.exists(path):
+            os.unlink(path)
+
+
 # a process that binds a socket file, listens, says so, and holds it for some seconds
 _HOLD = (
     "import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind({path!r}); s.listen(); "
@@ -395,6 +418,25 @@ began = time.time()
 removed = remove_stale_sockets(since={since!r}, exclude_own=True, settle=3.0)
 print(time.time() - began, removed)
 child.wait()
+"""
+# the same, its child killed right after the clean-up's first pass over the stale sockets
+_LEAVE_RACE = """
+import os, subprocess, sys
+from swarm import procs
+child = subprocess.Popen([sys.executable, "-c", {child!r}], stdout=subprocess.PIPE, text=True)
+child.stdout.readline()
+look = procs.stale_sockets
+
+def look_then_release(*args, **kwargs):
+    found = look(*args, **kwargs)
+    if child.poll() is None:
+        child.kill()
+        child.wait()
+    return found
+
+procs.stale_sockets = look_then_release
+removed = procs.remove_stale_sockets(since={since!r}, exclude_own=True, settle=3.0)
+print(removed, os.path.exists({path!r}))
 """
 
 

@@ -142,22 +142,30 @@ class SwarmReporter(L.Callback):
     def _linger(self, seconds: float, epoch: int) -> None:
         """Share the final state (the averagers serve it until teardown) for ``seconds``, or less: once a
         monitor holds global epoch ``epoch`` (its record, swarm/net/metrics.py ``MonitorRecord``) and every
-        peer's metrics record is at that epoch too. A groupmate still in its last rounds needs this peer's
-        averagers: a DiLoCo peer whose partner left at once ended its last overlapped round alone (val acc
-        0.59 against the partner's 0.90)."""
+        peer's metrics record is at that epoch too; with no monitor there, once every peer's record is at
+        that epoch and says ``final`` (each ended its training, its last round landed). A groupmate still in
+        its last rounds needs this peer's averagers: a DiLoCo peer whose partner left at once ended its last
+        overlapped round alone (val acc 0.59 against the partner's 0.90)."""
         dht, run_id = self.strategy.node.dht, self.cfg.swarm.run_id
         deadline = time.time() + seconds
 
-        def done() -> bool:
+        def done() -> str | None:
             try:
                 wait = max(0.1, min(5.0, deadline - time.time()))
                 held = [m.saved_epoch for m in metrics.fetch_monitors(dht, run_id, timeout=wait)]
-                if not held or max(held) < epoch:
-                    return False
-                return all(r.global_epoch >= epoch for r in metrics.fetch(dht, run_id, timeout=wait).values())
+                if held and max(held) < epoch:
+                    return None
+                records = metrics.fetch(dht, run_id, timeout=wait).values()
+                if not all(r.global_epoch >= epoch for r in records):
+                    return None
+                if held:
+                    return f"The monitor holds global epoch {epoch} and every peer is done; leaving now"
+                if records and all(r.final for r in records):
+                    return f"Every peer ended at global epoch {epoch} and no monitor is there; leaving now"
+                return None
             except Exception as exc:  # a slow DHT: keep sharing until the deadline
                 log.debug("Could not read the monitor's or the peers' records: %r", exc)
-                return False
+                return None
 
         if self.last_record is not None:  # tell a monitor: this is the last epoch, evaluate it now
             from hivemind.utils import get_dht_time
@@ -171,8 +179,9 @@ class SwarmReporter(L.Callback):
             seconds,
         )
         while not self.stop.event.wait(min(1.0, max(0.0, deadline - time.time()))):
-            if done():
-                log.info("The monitor holds global epoch %d and every peer is done; leaving now", epoch)
+            reason = done()
+            if reason is not None:
+                log.info(reason)
                 return
             if time.time() >= deadline:
                 return

@@ -266,7 +266,8 @@ def test_diloco_peers_that_overlap_rounds_train_through_them_and_share_each_anch
     """--overlap-rounds: two DiLoCo peers hand each outer round to the background and go on with inner
     steps. They still take the same averaged outer step on the same anchor (equal anchors at a common
     epoch), each round's time in the background is recorded and is more than the trainer waited for the
-    rounds (landing a round moves the parameters, nothing more), and the loss falls."""
+    rounds (landing a round moves the parameters, nothing more), the loss falls, and they leave together
+    once both say they ended."""
     run = "pytest-diloco-overlap"
     address = _bootstrap(peers, run, tmp_path)
     common = ("--max-epochs", "6", "--initial-peers", address, "--overlap-rounds", "--min-peers", "2")
@@ -288,6 +289,10 @@ def test_diloco_peers_that_overlap_rounds_train_through_them_and_share_each_anch
         assert waited < background, (waited, background, s["rounds"])
         assert s["last_loss"] < s["first_loss"], (s["first_loss"], s["last_loss"])
         assert not s["rejected_gradient_rounds"], out
+    # no monitor: they shared their final state until every record said it was final (each peer's last
+    # round landed), not for the whole linger, nor less (one that left at once stranded the other's round)
+    ended = "Every peer ended at global epoch 6 and no monitor is there; leaving now"
+    assert any(ended in line for p in pair for line in p.lines), out
 
 
 def test_diloco_peers_that_match_early_find_their_group_while_they_compute(peers, tmp_path):

@@ -454,6 +454,8 @@ def test_progress_records_count_only_under_the_peer_id_of_their_signers_member_r
         return (raw.num_peers, raw.samples_accumulated), (vouched.num_peers, vouched.samples_accumulated)
 
     assert wait_until(lambda: read() == ((4, 1112), (2, 12)), timeout=20, interval=0.25), read()
+    trackers[1].shutdown()  # b leaves: hivemind withdraws its record (stores None), which is no claim at all
+    assert wait_until(lambda: read() == ((3, 1105), (1, 5)), timeout=20, interval=0.25), read()
     warned = [r.getMessage() for r in caplog.records if "Ignored the progress records" in r.getMessage()]
     assert warned == [
         f"Ignored the progress records of invite 'eve', which claim PeerID {b.dht.peer_id} while its member "

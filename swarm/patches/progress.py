@@ -148,6 +148,8 @@ def vouched_by(members: Any, own_key: bytes) -> Any:
         if book is None or subkey == own_key:
             return True
         member, claimed = book.get(subkey), _record_peer(entry)
+        if claimed is None:  # withdrawn (a leaving tracker stores None, progress_tracker.py:353-359) or
+            return True  # malformed: hivemind's own parsing skips it
         if member is None:
             return False
         if member.peer_id == claimed:

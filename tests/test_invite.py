@@ -483,3 +483,8 @@ def test_a_token_of_an_older_release_is_refused_with_what_to_do(invites, caplog)
         assert gate.admits(authorizer.InviteAuthorizer(bob).token(sender), sender, "request")  # the control
     (line,) = [r.getMessage() for r in caplog.records]
     assert "it runs an older swarm trainer, whose access tokens name no PeerID" in line, line
+    # a flood of forged senders: refused, and remembered for their one warning only up to a bound
+    for n in range(authorizer._WARN_AT_MOST + 10):
+        forged = AccessToken(username="", public_key=n.to_bytes(38, "big"))
+        assert not gate.admits(forged, sender, "request")
+    assert len(gate._warned) == authorizer._WARN_AT_MOST

@@ -28,6 +28,7 @@ from swarm.net.metrics import revocation_records, revoked_key
 
 log = logging.getLogger(__name__)
 _ED25519_KEY_BYTES = 32  # a raw Ed25519 public key; a PeerID's bytes (a multihash) are longer
+_WARN_AT_MOST = 4096  # refused senders that get a warning line of their own
 
 
 def _token_bytes(token: AccessToken) -> bytes:
@@ -91,7 +92,7 @@ class InviteAuthorizer(AuthorizerBase):
         if problem is None:
             return True
         sender = token.public_key or b"anonymous"
-        if sender not in self._warned:
+        if sender not in self._warned and len(self._warned) < _WARN_AT_MOST:  # a flood must not grow it
             self._warned.add(sender)
             log.warning("Refused a DHT %s: %s", what, refusal(self.invite.run_id, "a peer", problem))
         return False

@@ -129,6 +129,11 @@ class EpochAggregator:
                 self.first_seen.pop(key, None)
                 self.latest.pop(key, None)
 
+    @property
+    def filed_epoch(self) -> int:
+        """The newest epoch to which every live peer's records were filed (-1: no peer seen)."""
+        return min(self.latest.values(), default=-1)
+
     def _peers_at(self, epoch: int) -> int:
         """Peers that reported ``epoch``, plus live peers that were seen both before and after it."""
         reported = set(self.pending.get(epoch, {}))

@@ -41,21 +41,24 @@ RETRY_AFTER_S = 15.0
 
 class Presence:
     """This monitor's record in the DHT (swarm/net/metrics.py, ``MonitorRecord``): stored at once when the
-    global epoch whose state it holds changes, else renewed every ``RENEW_S``; it expires ``EXPIRE_S`` after
-    the monitor stops. Peers that reached max_epochs read it to know how long to share their final state."""
+    global epoch whose state it holds or the epoch to which it read every peer's metrics changes, else
+    renewed every ``RENEW_S``; it expires ``EXPIRE_S`` after the monitor stops. Peers that reached max_epochs
+    read it to know how long to share their final state."""
 
     RENEW_S, EXPIRE_S = 10.0, 30.0
 
     def __init__(self, dht: Any, run_id: str, public_key: bytes) -> None:
         self.dht, self.run_id, self.public_key = dht, run_id, public_key
-        self.epoch: int | None = None
+        self.epochs: tuple[int, int] | None = None
         self.renew_at = 0.0
 
-    def maybe_publish(self, saved_epoch: int) -> None:
-        if saved_epoch == self.epoch and time.time() < self.renew_at:
+    def maybe_publish(self, saved_epoch: int, filed_epoch: int) -> None:
+        if (saved_epoch, filed_epoch) == self.epochs and time.time() < self.renew_at:
             return
-        self.epoch, self.renew_at = saved_epoch, time.time() + self.RENEW_S
-        metrics.publish_monitor(self.dht, self.run_id, self.public_key, saved_epoch, self.EXPIRE_S)
+        self.epochs, self.renew_at = (saved_epoch, filed_epoch), time.time() + self.RENEW_S
+        metrics.publish_monitor(
+            self.dht, self.run_id, self.public_key, saved_epoch, filed_epoch, self.EXPIRE_S
+        )
 
 
 class Evaluator:
@@ -267,8 +270,8 @@ def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[s
         )
         presence = Presence(node.dht, cfg.swarm.run_id, public_key)
         while not stop.event.is_set():
-            presence.maybe_publish(board.last_eval_step)
             _poll(cfg, node.dht, aggregator, board, evaluator, warned, invite=invite)
+            presence.maybe_publish(board.last_eval_step, aggregator.filed_epoch)
             stop.event.wait(cfg.monitor.poll_every)
     except KeyboardInterrupt:
         if not stop.event.is_set():

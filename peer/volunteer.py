@@ -50,6 +50,29 @@ log = logging.getLogger(__name__)
 READ_METRICS_EVERY = 1.0  # seconds between a peer's reads of the swarm's metrics records (progress line)
 
 
+def linger_over(dht: Any, run_id: str, epoch: int, timeout: float) -> str | None:
+    """Why a peer at its final global epoch ``epoch`` may stop sharing its state now, or None to keep sharing:
+    a monitor holds ``epoch`` and has read every peer's metrics of it (swarm/net/metrics.py ``MonitorRecord``;
+    those records live mostly on the peers' DHT nodes and vanish as they leave), and every peer's record is
+    at it; with no monitor there, every peer's record is at it and says ``final`` (each ended its training,
+    its last round landed)."""
+    try:
+        held = metrics.fetch_monitors(dht, run_id, timeout=timeout)
+        if held and not any(m.holds(epoch) for m in held):
+            return None
+        records = metrics.fetch(dht, run_id, timeout=timeout).values()
+        if not all(r.global_epoch >= epoch for r in records):
+            return None
+        if held:
+            return f"The monitor holds global epoch {epoch} and every peer is done; leaving now"
+        if records and all(r.final for r in records):
+            return f"Every peer ended at global epoch {epoch} and no monitor is there; leaving now"
+        return None
+    except Exception as exc:  # a slow DHT: keep sharing until the deadline
+        log.debug("Could not read the monitor's or the peers' records: %r", exc)
+        return None
+
+
 class SwarmReporter(L.Callback):
     """Per global epoch: publish a signed metrics record, evaluate periodically, log progress, stop."""
 
@@ -140,33 +163,12 @@ class SwarmReporter(L.Callback):
             self._linger(self.cfg.swarm.linger, self.strategy.local_epoch)
 
     def _linger(self, seconds: float, epoch: int) -> None:
-        """Share the final state (the averagers serve it until teardown) for ``seconds``, or less: once a
-        monitor holds global epoch ``epoch`` (its record, swarm/net/metrics.py ``MonitorRecord``) and every
-        peer's metrics record is at that epoch too; with no monitor there, once every peer's record is at
-        that epoch and says ``final`` (each ended its training, its last round landed). A groupmate still in
-        its last rounds needs this peer's averagers: a DiLoCo peer whose partner left at once ended its last
-        overlapped round alone (val acc 0.59 against the partner's 0.90)."""
+        """Share the final state (the averagers serve it until teardown) for ``seconds``, or less, until
+        :func:`linger_over` says every peer is done. A groupmate still in its last rounds needs this peer's
+        averagers: a DiLoCo peer whose partner left at once ended its last overlapped round alone (val acc
+        0.59 against the partner's 0.90)."""
         dht, run_id = self.strategy.node.dht, self.cfg.swarm.run_id
         deadline = time.time() + seconds
-
-        def done() -> str | None:
-            try:
-                wait = max(0.1, min(5.0, deadline - time.time()))
-                held = [m.saved_epoch for m in metrics.fetch_monitors(dht, run_id, timeout=wait)]
-                if held and max(held) < epoch:
-                    return None
-                records = metrics.fetch(dht, run_id, timeout=wait).values()
-                if not all(r.global_epoch >= epoch for r in records):
-                    return None
-                if held:
-                    return f"The monitor holds global epoch {epoch} and every peer is done; leaving now"
-                if records and all(r.final for r in records):
-                    return f"Every peer ended at global epoch {epoch} and no monitor is there; leaving now"
-                return None
-            except Exception as exc:  # a slow DHT: keep sharing until the deadline
-                log.debug("Could not read the monitor's or the peers' records: %r", exc)
-                return None
-
         if self.last_record is not None:  # tell a monitor: this is the last epoch, evaluate it now
             from hivemind.utils import get_dht_time
 
@@ -179,7 +181,7 @@ class SwarmReporter(L.Callback):
             seconds,
         )
         while not self.stop.event.wait(min(1.0, max(0.0, deadline - time.time()))):
-            reason = done()
+            reason = linger_over(dht, run_id, epoch, timeout=max(0.1, min(5.0, deadline - time.time())))
             if reason is not None:
                 log.info(reason)
                 return

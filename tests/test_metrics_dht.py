@@ -154,3 +154,33 @@ def test_a_record_that_passed_is_not_checked_again_and_a_changed_one_is():
 
     chain.merge_with(SchemaValidator(TrainingProgressSchema, prefix=RUN_ID))
     assert chain.validate(record) and len(checked) == 5
+
+
+def test_a_peer_lingers_until_the_monitor_has_read_every_peers_final_metrics(two_nodes):
+    """A peer at its final epoch shares its state until a monitor holds that epoch *and* has read every
+    peer's metrics of it: the records live mostly on the peers' own DHT nodes, so a monitor that evaluated
+    the final state before its next poll lost the last epochs' metrics when the peers left."""
+    from peer.volunteer import linger_over
+
+    a, key_a, b, key_b = two_nodes
+    final = 7
+    assert metrics.publish(
+        a, RUN_ID, key_a, _record(peer_name="a", global_epoch=final), expiration=30
+    ).result(10)
+    assert metrics.publish(
+        b, RUN_ID, key_b, _record(peer_name="b", global_epoch=final), expiration=30
+    ).result(10)
+    # no monitor: the records must also say final
+    assert linger_over(a, RUN_ID, final, timeout=5) is None
+    # a monitor that evaluated the final epoch but read the peers' metrics only up to the one before
+    assert metrics.publish_monitor(b, RUN_ID, key_b, final, final - 1, expiration=30).result(10)
+    assert wait_until(lambda: metrics.fetch_monitors(a, RUN_ID, timeout=5), timeout=10)
+    assert metrics.fetch_monitors(a, RUN_ID)[0].filed_epoch == final - 1
+    assert linger_over(a, RUN_ID, final, timeout=5) is None
+    # it read them: the peer may leave
+    assert metrics.publish_monitor(b, RUN_ID, key_b, final, final, expiration=30).result(10)
+    reason = wait_until(lambda: linger_over(a, RUN_ID, final, timeout=5), timeout=10)
+    assert reason == f"The monitor holds global epoch {final} and every peer is done; leaving now"
+    # a monitor of an older release says nothing of the metrics it read: its evaluation is enough
+    old = metrics.MonitorRecord(saved_epoch=final, time=get_dht_time())
+    assert old.filed_epoch is None and old.holds(final) and not old.holds(final + 1)

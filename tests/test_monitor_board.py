@@ -55,6 +55,7 @@ def test_clipped_parts_are_summed_and_suspects_counted_by_the_peers_that_ban_the
 def test_epochs_are_released_once_in_order_and_peers_counted():
     agg = EpochAggregator(settle_time=3.0)
     a, b, c = b"a", b"b", b"c"
+    assert agg.filed_epoch == -1
     agg.add({a: rec("a", 1), b: rec("b", 1)}, now=0.0)
     assert agg.ready(now=1.0) == []  # c has not reported: wait
     agg.add({a: rec("a", 1), b: rec("b", 1), c: rec("c", 1)}, now=1.5)
@@ -63,6 +64,7 @@ def test_epochs_are_released_once_in_order_and_peers_counted():
     assert [(p.epoch, p.peers) for p in points] == [(1, 3)]
     # b's epoch-2 record was overwritten by epoch 3 before we polled: b still counts at epoch 2
     agg.add({a: rec("a", 2), b: rec("b", 3), c: rec("c", 2)}, now=4.0)
+    assert agg.filed_epoch == 2  # every live peer's records were read up to epoch 2 (the monitor's record)
     agg.add({a: rec("a", 3), b: rec("b", 3), c: rec("c", 3)}, now=5.0)
     agg.add({a: rec("a", 4), b: rec("b", 4), c: rec("c", 4)}, now=9.0)
     points = agg.ready(now=9.0)

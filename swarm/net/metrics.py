@@ -149,12 +149,19 @@ def monitor_key(run_id: str) -> str:
 
 class MonitorRecord(BaseModel):
     """A monitor's presence: the newest global epoch whose state it downloaded and evaluated (-1: none
-    yet), renewed while it runs. A peer that reached max_epochs shares its final state until a monitor holds
-    it and every peer's record is at that epoch, and for its whole linger when no monitor is there
-    (peer/volunteer.py); ``swarm-peer status`` shows it."""
+    yet) and the newest epoch whose metrics records it has read from every live peer (``filed_epoch``; None
+    from a monitor of an older release), renewed while it runs. A peer that reached max_epochs shares its
+    final state until a monitor holds it and has read every peer's record of that epoch, and for its whole
+    linger when no monitor is there (peer/volunteer.py); ``swarm-peer status`` shows it."""
 
     saved_epoch: conint(ge=-1, strict=True)
     time: StrictFloat
+    filed_epoch: conint(ge=-1, strict=True) | None = None
+
+    def holds(self, epoch: int) -> bool:
+        """Whether this monitor evaluated ``epoch`` and read every peer's metrics of it: a peer's records
+        live on the DHT nodes nearest their key, mostly the peers', and vanish when the peers leave."""
+        return self.saved_epoch >= epoch and (self.filed_epoch is None or self.filed_epoch >= epoch)
 
 
 def _schema():
@@ -300,12 +307,12 @@ def parse_fetched(result: Any, warned: set | None = None) -> dict[bytes, LocalMe
 
 
 def publish_monitor(
-    dht: "hivemind.DHT", run_id: str, public_key: bytes, saved_epoch: int, expiration: float
+    dht: "hivemind.DHT", run_id: str, public_key: bytes, saved_epoch: int, filed_epoch: int, expiration: float
 ) -> Any:
     """Store this monitor's :class:`MonitorRecord` without blocking; returns the future."""
     from hivemind.utils import get_dht_time
 
-    record = MonitorRecord(saved_epoch=saved_epoch, time=get_dht_time())
+    record = MonitorRecord(saved_epoch=saved_epoch, filed_epoch=filed_epoch, time=get_dht_time())
     return _store(dht, monitor_key(run_id), public_key, record, expiration)
 
 

@@ -142,7 +142,7 @@ class _SettledState:
         find_group_within: float | None = None,
         **kwargs: Any,
     ) -> None:
-        self._swarm_settled = threading.Event()  # clear while an epoch's step or a download runs (item 4)
+        self._swarm_settled = threading.Event()  # clear in an epoch's step or applying a download (item 4)
         self._swarm_settled.set()
         self._swarm_steps = 0  # epoch steps and downloads begun (item 4)
         self._swarm_busy = 0  # of which still running
@@ -153,6 +153,7 @@ class _SettledState:
         self.held_epoch: int | None = None  # item 13: the epoch of the state the last download left here
         self.donor_answered = False  # item 25: a donor's state arrived in the last download, and stands
         self._swarm_received = False  # item 25: a state arrived in the download under way (_receiving)
+        self._swarm_arrived = False  # item 4: this download's state arrived, and no state is served
         # item 23: a swarm.averaging.donors.DonorCheck, set by the strategy (None: any donor, unchecked); told
         # of refused donors through on_refused(donor, reason); the donors refused lately (base58 -> until)
         self.check_download: Any = None
@@ -184,18 +185,33 @@ class _SettledState:
 
     @contextlib.contextmanager
     def _unsettled(self: Any) -> Any:
-        """Item 4: no state is served while this runs (an epoch's step, a download and its judging)."""
+        """Item 4: no state is served while this runs (an epoch's step)."""
+        self._begin_unsettled()
+        try:
+            yield
+        finally:
+            self._end_unsettled()
+
+    def _begin_unsettled(self: Any) -> None:
         with self._swarm_busy_lock:
             self._swarm_busy += 1
             self._swarm_steps += 1
             self._swarm_settled.clear()
-        try:
-            yield
-        finally:
-            with self._swarm_busy_lock:
-                self._swarm_busy -= 1
-                if self._swarm_busy == 0:
-                    self._swarm_settled.set()
+
+    def _end_unsettled(self: Any) -> None:
+        with self._swarm_busy_lock:
+            self._swarm_busy -= 1
+            if self._swarm_busy == 0:
+                self._swarm_settled.set()
+
+    def _state_arrived(self: Any) -> None:
+        """Item 4: a downloaded state is here and about to be applied: no state is served until the download
+        is judged and numbered (``load_state_from_peers`` ends it). Until it arrives this peer's own state
+        stands and is served: two peers that start together and download from each other would otherwise
+        each wait half of ``next_chunk_timeout`` for the other (5 s at the demo's start)."""
+        if not self._swarm_arrived:
+            self._swarm_arrived = True
+            self._begin_unsettled()
 
     def get_current_state(self: Any) -> tuple[Any, list[torch.Tensor], list[Any]]:
         """hivemind's get_current_state (optim/state_averager.py:627), once the epoch's step or the download
@@ -267,17 +283,21 @@ class _SettledState:
     def load_state_from_peers(self: Any, **kwargs: Any) -> Any:
         """hivemind's state download, judged (item 7) and, with ``check_download``, checked against the swarm
         (item 23); ``held_epoch`` then says which epoch the tensors are (item 13). This peer serves no state
-        until the download is judged and its epoch set (item 4): hivemind copies the downloaded tensors under
-        the lock but numbers their epoch after it (state_averager.py:682-697), and a state that the check
-        would refuse must not be passed on."""
-        with self._unsettled():
-            self.donor_answered = False
-            try:
-                if self.check_download is None:
-                    return self._load_screened(**kwargs)
-                return self._load_checked(**kwargs)
-            finally:
-                self.held_epoch = self.local_epoch
+        until the download is judged and its epoch set (item 4), from the moment its state arrives
+        (``_state_arrived``): hivemind copies the downloaded tensors under the lock but numbers their epoch
+        after it (state_averager.py:682-697), and a state that the check would refuse must not be passed
+        on."""
+        self._swarm_arrived = False
+        self.donor_answered = False
+        try:
+            if self.check_download is None:
+                return self._load_screened(**kwargs)
+            return self._load_checked(**kwargs)
+        finally:
+            self.held_epoch = self.local_epoch
+            if self._swarm_arrived:
+                self._swarm_arrived = False
+                self._end_unsettled()
 
     def _donors(self: Any) -> list[Any]:
         """Item 23: the donors that declared themselves in the DHT, newest epoch first (ties in random order,
@@ -496,7 +516,9 @@ def _receiving(averager: type) -> type:
 
     def load_state_from_peers(self: Any, *args: Any, **kwargs: Any) -> Any:
         loaded = super(receiving, self).load_state_from_peers(*args, **kwargs)
-        self._swarm_received = self._swarm_received or isinstance(loaded, tuple)
+        if isinstance(loaded, tuple):
+            self._swarm_received = True
+            self._state_arrived()  # item 4: serve nothing until it is applied, judged and numbered
         return loaded
 
     receiving = type(averager.__name__, (averager,), {"load_state_from_peers": load_state_from_peers})

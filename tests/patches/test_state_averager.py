@@ -288,6 +288,50 @@ def test_a_peer_loading_a_download_never_serves_the_downloaded_state_with_its_ol
         _shutdown(a, b, c)
 
 
+@PLAIN_OR_PATCHED
+def test_a_peer_waiting_for_its_own_download_serves_its_own_state(request, patched):
+    """Item 4 serves nothing while a downloaded state is applied, judged and numbered, and only then: before
+    the state arrives the peer's own state stands. Peers that start together download from each other; when
+    the swarm's state averager served nothing for the whole download, each waited half of the other's
+    ``next_chunk_timeout`` (the demo's peers, forked at once: 5 s each) and then asked another donor. Here B
+    downloads from D, whose answer is held; meanwhile A downloads from the newest donor, B. On plain hivemind
+    and with the patches A gets B's own state (epoch 3) at once; then D answers and B holds D's (epoch 6)."""
+    prefix = "pytest-sa-both-loading"
+    nodes = _nodes(request, patched, 3)
+    torch.manual_seed(0)
+    nets = [torch.nn.Linear(4, 3) for _ in range(3)]
+    base = _class(patched)
+    asked, release = threading.Event(), threading.Event()
+
+    def hold_first(self):  # D: its first download (B's) waits for the test
+        if not asked.is_set():
+            asked.set()
+            release.wait(timeout=30)
+        return base.get_current_state(self)
+
+    a, b, d = _averagers([base, base, _class(patched, get_current_state=hold_first)], nodes, nets, prefix)
+    at_b, at_d = _copies(nets[1]), _copies(nets[2])
+    loading = threading.Thread(target=lambda: b.load_state_from_peers(timeout=20), daemon=True)
+    try:
+        b.local_epoch, d.local_epoch = 3, 6
+        a.state_sharing_priority, b.state_sharing_priority, d.state_sharing_priority = 1, 10, 5
+        b.next_chunk_timeout = 4.0
+        expected = {a.peer_id.to_bytes(): 1, b.peer_id.to_bytes(): 10, d.peer_id.to_bytes(): 5}
+        for node in nodes:
+            assert wait_until(lambda n=node: expected.items() <= _priorities(n, prefix).items(), timeout=30)
+
+        loading.start()
+        assert asked.wait(timeout=30), "B never asked D"
+        a.load_state_from_peers(timeout=8)
+        assert a.local_epoch == 3 and _holds(nets[0], at_b), "A did not get B's own state"
+        release.set()
+        loading.join(timeout=30)
+        assert not loading.is_alive() and b.local_epoch == 6 and _holds(nets[1], at_d)
+    finally:
+        release.set()
+        _shutdown(a, b, d)
+
+
 class _AskedLock:
     """A tensor lock (delegating to the averager's) that notes when a thread other than the test's asks for
     it with ``with``, as ``get_current_state`` does."""

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from peer.launcher import Launcher
 from swarm.config import ExperimentConfig
 from swarm.layout import summary_path
 from swarm.net import metrics
@@ -51,9 +52,19 @@ def run_bootstrap(cfg: ExperimentConfig, config_name: str | None = None) -> None
         raise DHTProcessDied(died[0])
 
 
-def _start(name: str, cmd: list[str]) -> Child:
-    """``cmd`` as a Child (swarm/procs.py) whose lines are printed with its name in front."""
-    return Child(name, cmd, echo=lambda line: print(f"[{name:>9}] {line}", flush=True))
+def _start(name: str, cmd: list[str], launcher: Launcher | None) -> Child:
+    """``cmd`` as a Child (swarm/procs.py) whose lines are printed with its name in front, forked from
+    ``launcher`` (a fresh interpreter if the launcher failed)."""
+
+    def echo(line: str) -> None:
+        print(f"[{name:>9}] {line}", flush=True)
+
+    if launcher is not None:
+        try:
+            return Child(name, cmd, echo=echo, launcher=launcher)
+        except (RuntimeError, OSError) as exc:
+            log.warning("Starting %s as a fresh interpreter: %s", name, exc)
+    return Child(name, cmd, echo=echo)
 
 
 def _summarise(cfg: ExperimentConfig, names: list[str]) -> list[dict]:
@@ -173,12 +184,16 @@ def run_demo(cfg: ExperimentConfig, config_name: str, n_peers: int, invite_only:
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, terminated)
+    # the monitor and the peers are forked from one process that imported their modules once: each fresh
+    # interpreter would spend 5-6 CPU-s on imports, all at once on the demo's machine
+    launcher = Launcher()
     try:
         monitor = procs["monitor"] = _start(
             "monitor",
             base
             + ["monitor", *common, *invites["monitor"], "--host-maddr", "/ip4/127.0.0.1/tcp/0"]
             + ["--threads", "1"],
+            launcher,
         )
         try:
             address = monitor.join_address(timeout=120)
@@ -208,7 +223,7 @@ def run_demo(cfg: ExperimentConfig, config_name: str, n_peers: int, invite_only:
             ]
             if cfg.train.max_epochs is not None:
                 cmd += ["--max-epochs", str(cfg.train.max_epochs)]
-            procs[name] = _start(name, cmd)
+            procs[name] = _start(name, cmd, launcher)
         codes.update(_wait_for_peers({name: procs[name] for name in names}))
     except KeyboardInterrupt:
         interrupted = True
@@ -219,6 +234,7 @@ def run_demo(cfg: ExperimentConfig, config_name: str, n_peers: int, invite_only:
             code = child.stop(grace=30.0)  # the monitor finishes its TensorBoard points and checkpoint
             if name == "monitor" and not interrupted:
                 codes[name] = code if code is not None else 0
+        launcher.close()
         remove_stale_sockets(since=started, settle=3.0)
         signal.signal(signal.SIGTERM, previous)
     _print_summary(cfg, _summarise(cfg, [n for n in procs if n != "monitor"]), time.time() - started)

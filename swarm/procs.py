@@ -426,7 +426,9 @@ class Child:
     """``cmd`` in its own process group (:func:`start_group`), its output collected line by line with the
     time each line was read, and passed to ``echo`` (print it with a name in front, write it to a log).
 
-    The one launcher of the demo, the bench and the tests."""
+    The one launcher of the demo, the bench and the tests. With a ``launcher`` (peer/launcher.py's, which
+    has the peer's modules imported), a ``python -m peer ...`` command is forked from it instead of started
+    as a fresh interpreter."""
 
     def __init__(
         self,
@@ -434,8 +436,9 @@ class Child:
         cmd: Sequence[str],
         echo: Callable[[str], None] | None = None,
         env: dict[str, str] | None = None,
+        launcher: Any = None,
     ) -> None:
-        self.name, self.cmd, self.echo = name, list(cmd), echo
+        self.name, self.cmd, self.echo, self.launcher = name, list(cmd), echo, launcher
         self.started = time.time()
         self.lines: list[str] = []
         self.times: list[float] = []  # when each line was read (wall clock, as in the peers' summaries)
@@ -446,6 +449,8 @@ class Child:
     def _start(self, env: dict[str, str] | None) -> Any:
         """The process (a ``subprocess.Popen``, or an object with its ``pid``, ``stdout``, ``poll``, ``wait``,
         ``returncode`` and ``send_signal``) leading a new process group, its output on ``stdout``."""
+        if self.launcher is not None:
+            return self.launcher.spawn(self.cmd, group_env(env), os.getcwd())
         return start_group(
             self.cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
         )

@@ -14,7 +14,7 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 from swarm import patches
 from swarm.net.node import lean_daemon_env
 from swarm.procs import group_members, remove_stale_sockets, stale_sockets
-from tests.helpers import PeerProcess, Zygote
+from tests.helpers import PeerProcess, SharedLauncher
 
 lean_daemon_env()  # the p2p daemons of the tests' own hivemind nodes run as the product's do
 
@@ -27,10 +27,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _zygote():
-    """The zygote that forks the tests' peers (tests/zygote.py) ends with the session."""
+def _launcher():
+    """The launcher that forks the tests' peers (peer/launcher.py) ends with the session."""
     yield
-    Zygote.close()
+    SharedLauncher.close()
 
 
 @pytest.fixture(autouse=True)

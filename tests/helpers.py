@@ -4,139 +4,50 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
-import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+from peer.launcher import Launcher
 from swarm import layout
-from swarm.procs import Child, group_env, group_members, remove_stale_sockets, start_group
+from swarm.procs import Child, group_members, remove_stale_sockets
 from swarm.waiting import wait_until
 
 EPOCH_RE = re.compile(r"\| epoch (\d+) \|")
 
 
-class Zygote:
-    """The test process's end of tests/zygote.py: a process that imported the peer's modules once and forks
-    each `python -m peer ...` asked of it. One per test process, started at its first use."""
+class SharedLauncher:
+    """One launcher (peer/launcher.py, the demo's too) per test process, started at its first use: it has
+    imported the peer's modules once and forks each `python -m peer ...` asked of it."""
 
-    _one: Zygote | None = None
+    _one: Launcher | None = None
     _lock = threading.Lock()
 
     @classmethod
-    def get(cls) -> Zygote:
+    def get(cls) -> Launcher:
         with cls._lock:
-            if cls._one is None or cls._one.server.poll() is not None:
-                cls._one = cls()
+            if cls._one is None or not cls._one.alive():
+                cls._one = Launcher()
             return cls._one
-
-    def __init__(self) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.server = start_group(
-            [sys.executable, str(Path(__file__).with_name("zygote.py")), str(theirs.fileno())],
-            pass_fds=[theirs.fileno()],
-        )
-        theirs.close()
-        self.sock, self.send_lock = ours, threading.Lock()
-        self.pids: queue.Queue[int] = queue.Queue()
-        self.statuses: dict[int, int] = {}
-        self.ended = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
 
     @classmethod
     def close(cls) -> None:
-        """End the zygote (it exits when its socket closes); the peers it forked are the tests' to stop."""
+        """End the launcher; the peers it forked are the tests' to stop."""
         with cls._lock:
             if cls._one is not None:
-                cls._one.sock.shutdown(socket.SHUT_RDWR)
-                cls._one.server.wait(timeout=30)
+                cls._one.close()
                 cls._one = None
-
-    def _read(self) -> None:
-        while True:
-            message = self.sock.recv(4096)
-            if not message:  # the zygote has gone
-                return
-            kind, *rest = pickle.loads(message)
-            if kind == "pid":
-                self.pids.put(rest[0])
-            else:
-                with self.ended:
-                    self.statuses[rest[0]] = rest[1]
-                    self.ended.notify_all()
-
-    def spawn(self, args: list[str], env: dict[str, str], cwd: str) -> ForkedPeer:
-        read, write = os.pipe()
-        try:
-            with self.send_lock:
-                request = pickle.dumps({"args": args, "env": env, "cwd": cwd})
-                socket.send_fds(self.sock, [request], [write])
-                pid = self._pid(timeout=120)
-        finally:
-            os.close(write)
-        out = os.fdopen(read, "r", buffering=1, encoding="utf-8", errors="replace")
-        return ForkedPeer(pid, out, self, [sys.executable, "-m", "peer", *args])
-
-    def _pid(self, timeout: float) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                return self.pids.get(timeout=0.5)
-            except queue.Empty:
-                if self.server.poll() is not None:
-                    break
-        raise RuntimeError(f"the zygote (tests/zygote.py) forked nothing; exit code {self.server.poll()}")
-
-    def status(self, pid: int, timeout: float | None) -> int | None:
-        """The wait status of ``pid`` once it has ended, within ``timeout`` (None: no limit)."""
-        with self.ended:
-            self.ended.wait_for(lambda: pid in self.statuses or self.server.poll() is not None, timeout)
-            return self.statuses.get(pid)
-
-
-class ForkedPeer:
-    """What a test needs of ``subprocess.Popen`` for a process that the zygote forked (it is the parent)."""
-
-    def __init__(self, pid: int, stdout, zygote: Zygote, args: list[str]) -> None:
-        self.pid, self.stdout, self.zygote, self.args = pid, stdout, zygote, args
-        self.returncode: int | None = None
-
-    def poll(self, timeout: float | None = 0) -> int | None:
-        """The exit code once the process has ended (within ``timeout``), else None."""
-        if self.returncode is None:
-            status = self.zygote.status(self.pid, timeout)
-            if status is not None:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        code = self.poll(timeout)
-        if code is None:
-            raise subprocess.TimeoutExpired(self.args, timeout)
-        return code
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 class PeerProcess(Child):
     """A `python -m peer ...` process in its own process group (swarm/procs.py's Child), registered so that
     the test's fixture stops it whatever happens.
 
-    Without a ``launcher`` it is forked from the test process's zygote (tests/zygote.py), which imported
+    Without a ``launcher`` it is forked from the test process's launcher (peer/launcher.py), which imported
     the peer's modules once: the same CLI, arguments, environment and process group as a fresh
     interpreter, without its 5-6 CPU seconds of imports."""
 
@@ -145,14 +56,10 @@ class PeerProcess(Child):
     ) -> None:
         """``launcher`` replaces ``python`` in front of ``-m peer`` (e.g. torchrun and its flags): a fresh
         interpreter."""
-        self.args, self.launcher = args, launcher
-        super().__init__(name, [*(launcher or [sys.executable]), "-m", "peer", *args])
+        self.args = args
+        cmd = [*(launcher or [sys.executable]), "-m", "peer", *args]
+        super().__init__(name, cmd, launcher=None if launcher else SharedLauncher.get())
         registry.append(self)
-
-    def _start(self, env: dict[str, str] | None):
-        if self.launcher is not None:
-            return super()._start(env)
-        return Zygote.get().spawn(self.args, group_env(env), os.getcwd())
 
     def epoch(self) -> int:
         """The global epoch of this peer's latest progress line (-1 before the first)."""

@@ -35,7 +35,7 @@ EVALUATED = r"Swarm model at global epoch (\d+): val acc ([\d.]+)"  # the monito
 
 RUN_ID = "pytest-monitor"
 # the swarm must outlive the kill, `status` and the restart: on a 2-core machine (3 peers, about 1 s per
-# global epoch) the restarted monitor, forked from the test's zygote, was appending at global epoch 15-20,
+# global epoch) the restarted monitor, forked from the test's launcher, was appending at global epoch 15-20,
 # 7 s after the kill at epoch 5 (40 s and epoch 50-75 as a fresh interpreter)
 MAX_EPOCHS = 55
 FORGED_SPS = 1e6

@@ -496,8 +496,9 @@ def test_a_demo_stopped_by_sigterm_stops_its_peers_first(peers, tmp_path):
     args = ["demo", "--peers", "1", "--max-epochs", "100000", "--log-dir", str(tmp_path)]
     demo = PeerProcess("demo", [*args, "--run-id", "pytest-term"], peers)
     demo.wait_for(r"\[\s*peer1\] .*\| epoch \d+ \|", timeout=180)
-    children = _children(demo.proc.pid)
-    assert len(children) == 2, children  # the monitor and peer1
+    (launcher,) = _children(demo.proc.pid)  # peer/launcher.py, which forked the monitor and peer1
+    children = [launcher, *_children(launcher)]
+    assert len(children) == 3, children
     try:
         os.kill(demo.proc.pid, signal.SIGTERM)
         assert demo.wait(timeout=120) == 130, demo.output()[-3000:]
@@ -505,7 +506,7 @@ def test_a_demo_stopped_by_sigterm_stops_its_peers_first(peers, tmp_path):
             group_members(c) for c in children
         ]
     finally:
-        for child in children:  # if the demo left them: its own children, by their process groups
+        for child in children:  # if the demo left them: its own processes, by their process groups
             if group_members(child):
                 os.killpg(child, signal.SIGKILL)
     assert "Interrupted: stopping every peer of the demo" in demo.output()

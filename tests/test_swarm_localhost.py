@@ -22,7 +22,7 @@ RUN_ID = "pytest-swarm"
 # before they all stop: a peer that is still starting holds the swarm's parameters under an epoch number 1-3
 # behind in its first two rounds (the state round moves it up one epoch at a time, item 9 of
 # docs/hivemind-patches.md), and those may be 2 of its epochs in common with the others (0.9 of them must be
-# equal). The swarm makes 1-2 global epochs a second; forked from the test's zygote, the late joiner came up
+# equal). The swarm makes 1-2 global epochs a second; forked from the test's launcher, the late joiner came up
 # in 7 s beside another multi-peer test and loaded epoch 17 (a fresh interpreter needed 28 s there, and
 # loaded epoch 83). That holds only if the three first peers start together (--min-peers 3): a peer that
 # comes up a second before the others trains alone at 10 global epochs a second.

@@ -93,7 +93,10 @@ class Launcher:
         try:
             with self.send_lock:
                 request = pickle.dumps({"args": cmd[3:], "env": env, "cwd": cwd})
-                socket.send_fds(self.sock, [request], [write])
+                try:
+                    socket.send_fds(self.sock, [request], [write])
+                except OSError as exc:  # its end of the socket is closed
+                    raise RuntimeError(f"the launcher has exited (code {self.server.poll()}): {exc}") from exc
                 pid = self._pid(timeout=120)
         finally:
             os.close(write)
@@ -108,7 +111,7 @@ class Launcher:
             except queue.Empty:
                 if self.server.poll() is not None:
                     break
-        raise RuntimeError(f"the launcher (peer/launcher.py) forked nothing; exit code {self.server.poll()}")
+        raise RuntimeError(f"the launcher forked nothing (exit code {self.server.poll()})")
 
     def status(self, pid: int, timeout: float | None) -> int | None:
         """The wait status of ``pid`` once it has ended, within ``timeout`` (None: no limit). If the launcher

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import logging
 import os
 import signal
 import socket
@@ -510,6 +511,28 @@ def test_a_demo_stopped_by_sigterm_stops_its_peers_first(peers, tmp_path):
             if group_members(child):
                 os.killpg(child, signal.SIGKILL)
     assert "Interrupted: stopping every peer of the demo" in demo.output()
+
+
+def test_the_demo_starts_a_fresh_interpreter_when_its_launcher_is_gone(caplog):
+    """The demo forks its monitor and peers from peer/launcher.py; a launcher that has died (killed, out of
+    memory) forks nothing, and the demo then starts the process as a fresh interpreter, with one line."""
+    from peer.demo import _start
+    from peer.launcher import Launcher
+
+    launcher = Launcher()
+    try:
+        os.killpg(launcher.server.pid, signal.SIGKILL)
+        launcher.server.wait(timeout=10)
+        with caplog.at_level("WARNING", logger="peer.demo"):
+            child = _start("helper", [sys.executable, "-m", "peer", "--help"], launcher)
+        assert child.proc.wait(timeout=60) == 0
+        assert type(child.proc).__name__ == "Popen"
+        child._reader.join(timeout=10)
+        assert any("Usage" in line for line in child.lines), child.lines
+        (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert line.startswith("Starting helper as a fresh interpreter: the launcher has exited (code -9)")
+    finally:
+        launcher.close()
 
 
 def test_the_demo_stops_waiting_for_its_peers_when_one_fails_while_the_others_run():

@@ -116,23 +116,15 @@ class Launcher:
     def status(self, pid: int, timeout: float | None) -> int | None:
         """The wait status of ``pid`` once it has ended, within ``timeout`` (None: no limit). If the launcher
         itself has gone, a process that no longer exists counts as killed (its status was lost with it)."""
+        from swarm.procs import running
+
         with self.ended:
             self.ended.wait_for(lambda: pid in self.statuses or self.server.poll() is not None, timeout)
             if pid in self.statuses:
                 return self.statuses[pid]
-        if self.server.poll() is not None and not _exists(pid):
+        if self.server.poll() is not None and not running(pid):
             return signal.SIGKILL  # as os.waitpid reports a process killed by SIGKILL
         return None
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class ForkedProcess:

@@ -118,6 +118,8 @@ def wire(opt: Any, wiring: Wiring) -> Wired:
     never_cancel_rounds(opt)  # items 5 and 10
     download_the_epoch_it_names(opt)  # item 13
     progress.throttle_progress_reports(opt.tracker, wiring.report_every)  # item 6
+    if not wiring.diloco:  # item 27; innermost, so that it sees the records the wrappers below leave
+        progress.count_alone_exactly(opt.tracker)
     if wiring.round_seconds > 0:  # item 22; first, so that it sees the records left after the bans
         progress.pace_by_time(opt.tracker, wiring.round_seconds)
     suspects = robust.suspects()

@@ -19,6 +19,8 @@ when no record is found (progress_tracker.py:280-292). At a new epoch it sets th
   alone reach the target: with epochs shorter than ``min_refresh_period`` every peer computed most of each
   epoch's target alone.
 - item 19: peers started together each find nobody at their first read and train alone for 3 s.
+- item 27: a peer alone ends its epoch once its own last record, extrapolated at its speed, reaches the
+  target, with fewer samples than the target when its steps run slower than that speed.
 
 **What this changes.** :func:`throttle_progress_reports` stores a new epoch at once, and its first samples,
 otherwise at most one record per interval. :func:`read_soon_while_speeds_unknown` plans the next read
@@ -29,7 +31,8 @@ read forward for a peer that waits (DiLoCo after its inner steps; ``--min-peers`
 (item 24) counts a refused donor's epoch as no more than this peer's own. :func:`pace_by_time`
 (item 22) makes the target batch what the swarm computes in a given time, at the speeds of its records.
 :func:`keep_only` with :func:`vouched_by` (item 26) keeps, in an invite-only swarm, only the records whose
-claimed PeerID is the one their signer's member record names.
+claimed PeerID is the one their signer's member record names. :func:`count_alone_exactly` (item 27) has a peer
+alone in its reads step when its own samples reach the target, not when its extrapolated record does.
 
 These wrap methods of one running ``ProgressTracker``; nothing here is process-wide. The tracker keeps what
 item 15 needs in a :class:`LastRead` that the wrappers share.
@@ -349,6 +352,29 @@ def expect_the_swarm(tracker: Any, last: LastRead) -> None:
         return epoch
 
     tracker.update_epoch = update_epoch
+
+
+def count_alone_exactly(tracker: Any) -> None:
+    """Item 27, on one running ``ProgressTracker``: a read of the swarm's progress that finds no record but
+    this peer's own leaves the time to the target unestimated ("never"), so the peer ends its epoch when its
+    own samples reach the target. hivemind estimates the swarm's samples by extrapolating each record at its
+    speed (progress_tracker.py:305-316) and ends the epoch once that estimate passes the target
+    (``ready_to_update_epoch``, progress_tracker.py:127-134), which stands in for records not yet read. A
+    peer alone knows its own count exactly: extrapolated from its last record, a step slower than its speed
+    (a loaded machine, a batch whose non-finite gradients were skipped) ended its epoch short of the target.
+    Not with DiLoCo, whose peer waits after its H local steps with nothing left to compute."""
+    parse = tracker._parse_swarm_progress_data
+    own = tracker._local_public_key
+
+    def parsed(metadata: Any) -> Any:
+        progress = parse(metadata)
+        entries = metadata.items() if isinstance(metadata, dict) else ()
+        others = [key for key, entry in entries if key != own and getattr(entry, "value", None) is not None]
+        if not others and progress.epoch == tracker.local_progress.epoch:
+            progress.eta_next_epoch = float("inf")
+        return progress
+
+    tracker._parse_swarm_progress_data = parsed
 
 
 def read_within(tracker: Any, seconds: float) -> None:

@@ -361,3 +361,34 @@ def test_the_target_follows_the_swarms_speed_when_paced_by_time(dhts, patched):
         b.should_report_progress.set()
         expected = 900 if patched else target
         assert wait_until(lambda: read() == (2, expected), timeout=20, interval=0.25), read()
+
+
+@PLAIN_OR_PATCHED
+def test_a_peer_alone_steps_when_its_own_samples_reach_the_target(dhts, patched):
+    """Item 27. A alone has stored a record of 10 samples at 100 samples/s, target 64, and computes nothing
+    more (a slow step: a loaded machine, or a batch whose non-finite gradients were skipped). Plain hivemind
+    extrapolates that record (optim/progress_tracker.py:305-316) and lets A step about half a second later
+    with its 10 samples; with count_alone_exactly A steps only once it counts 64. Once B's record is read,
+    A's estimate is hivemind's again."""
+    target = 64
+    with _two_trackers(dhts, f"pytest-rounds-alone-{patched}", target, patched=False) as (a, b):
+        if patched:
+            progress.count_alone_exactly(a)
+        a.performance_ema.samples_per_second = 100.0
+        a.local_progress = a._get_local_progress(0, 10)
+        a.should_report_progress.set()
+        assert wait_until(lambda: _read_now(a).num_peers == 1, timeout=20, interval=0.25)
+        time.sleep(max(0.0, a.global_progress.eta_next_epoch - get_dht_time()) if not patched else 1.0)
+        time.sleep(0.1)
+        assert a.ready_to_update_epoch is not patched, (a.global_progress, a.local_progress)
+        if patched:
+            assert a.global_progress.eta_next_epoch == float("inf")
+            a.report_local_progress(0, 63)
+            assert not a.ready_to_update_epoch
+            a.report_local_progress(0, 64)
+            assert a.ready_to_update_epoch
+        b.performance_ema.samples_per_second = 50.0
+        b.local_progress = b._get_local_progress(0, 1)
+        b.should_report_progress.set()
+        assert wait_until(lambda: _read_now(a).num_peers == 2, timeout=20, interval=0.25)
+        assert a.global_progress.eta_next_epoch < float("inf")  # hivemind's estimate, patched or not

@@ -66,8 +66,8 @@ def _pair_round(noise: float, flip: float, seed: int) -> tuple[list[torch.Tensor
 def test_a_round_of_two_is_judged_by_its_distance_from_the_peers_own_gradient():
     """Where no rule can outvote the other of two, the screen bounds what it can do: honest rounds pass at any
     noise and with unequal weights, a flip at x8 is rejected, a flip at x1, x2 or x4 passes (left to the
-    groups of three, where the robust mean clips it and its peers ban it). Groups of three or more are left
-    to the robust rule."""
+    groups of three, where the robust mean clips it and its peers ban it). Only a round of two scores the
+    other peer by its distance."""
     for noise in (0.1, 1.0, 4.0):  # the gradients' cosine: 0.99, 0.5, 0.06
         for seed in range(5):
             own, averaged = _pair_round(noise, 1.0, seed)
@@ -78,7 +78,10 @@ def test_a_round_of_two_is_judged_by_its_distance_from_the_peers_own_gradient():
         own, averaged = _pair_round(noise, -8.0, seed=7)
         reason = RoundScreen(10.0).judge_gradients(averaged, own, group_size=2)
         assert reason is not None and "in a round of two" in reason, noise
-        assert RoundScreen(10.0).judge_gradients(averaged, own, group_size=3) is None
+        screen = RoundScreen(10.0)  # the same average from a larger group: rejected, and nobody scored
+        reason = screen.judge_gradients(averaged, own, group_size=3)
+        assert reason is not None and reason.startswith("in a round of 3, the averaged gradient lies")
+        assert screen.last_pair_distance == 0.0 and screen.pair_scale == 1.0
     own, averaged = _pair_round(1.0, -8.0, seed=7)
     reason = RoundScreen(10.0).judge_gradients(averaged, own, group_size=2)
     assert (
@@ -136,3 +139,41 @@ def test_suspects_are_banned_when_far_round_after_round_for_longer_each_time():
     # the average of the honest rounds above is not
     assert [table.record("12D3KooWx4", 0.4, now=200.0 + i) for i in range(4)][-1] is True
     assert not any(table.record("12D3KooWmid", 0.55, now=200.0 + i) for i in range(20))
+
+
+def _group_round(noise: float, signs: list[float], seed: int, weights: list[float] | None = None):
+    """(this peer's gradient, the weighted mean of a round whose other members send their own honest gradient
+    times each of ``signs``); every gradient estimates one true gradient of norm 1, off by ``noise`` times."""
+    gen = torch.Generator().manual_seed(seed)
+    size = 100_000
+    true = torch.randn(size, generator=gen) / size**0.5
+    grads = [true + noise * torch.randn(size, generator=gen) / size**0.5 for _ in range(len(signs) + 1)]
+    weights = weights or [1.0] * len(grads)
+    sent = [grads[0]] + [sign * g for sign, g in zip(signs, grads[1:], strict=True)]
+    mean = sum(w * g for w, g in zip(weights, sent, strict=True)) / sum(weights)
+    return [grads[0]], [mean]
+
+
+def test_a_larger_round_is_rejected_when_its_average_lies_far_from_the_peers_own_gradient():
+    """A robust rule outvotes a minority only: two colluders in a group of three, or two in four (once an
+    honest peer has banned them and left their groups), make the round's result theirs. The screen bounds
+    it as in a round of two: an honest group's average lies between honest gradients, nearer this peer's own
+    than the furthest of them, and passes at any noise, with this peer the smallest or the largest sender;
+    a group of three whose two others send their gradient times -8 (their robust centre: the mean of the
+    two), and one of four with two such, is rejected."""
+    for noise in (0.1, 1.0, 4.0):  # the gradients' cosine: 0.99, 0.5, 0.06
+        for seed in range(5):
+            for size in (3, 4, 5):
+                for weights in (None, [32.0] + [224.0] * (size - 1), [224.0] + [32.0] * (size - 1)):
+                    own, averaged = _group_round(noise, [1.0] * (size - 1), seed, weights)
+                    screen = RoundScreen(10.0)
+                    judged = screen.judge_gradients(averaged, own, group_size=size)
+                    assert judged is None, (noise, size, weights, judged)
+                    assert screen.last_distance < 2.0, (noise, size, weights, screen.last_distance)
+    for noise in (0.1, 1.0):
+        own, two_of_three = _group_round(noise, [-8.0, -8.0], seed=7, weights=[0.0, 1.0, 1.0])
+        reason = RoundScreen(10.0).judge_gradients(two_of_three, own, group_size=3)
+        assert reason is not None and reason.startswith("in a round of 3, the averaged gradient lies"), noise
+        own, two_of_four = _group_round(noise, [1.0, -8.0, -8.0], seed=7)
+        reason = RoundScreen(10.0).judge_gradients(two_of_four, own, group_size=4)
+        assert reason is not None and reason.startswith("in a round of 4, the averaged gradient lies"), noise

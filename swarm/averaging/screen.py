@@ -23,17 +23,24 @@ times
 - **a state download** (hivemind.Optimizer downloads the newest peer's state whenever this peer falls
   behind): judged like a state averaging round, against the state this peer held before.
 
-- **a gradient round of two**, where no robust rule can outvote the other peer (swarm/patches/robust.py
-  gives the plain weighted mean of two): the averaged gradient must also lie within ``PAIR_RADIUS`` (3)
-  times the reference (above) of this peer's own gradient. The mean of two honest gradients lies between
-  them, (W - w) / W of their distance from this peer's own gradient for weights w (this peer's) and W - w;
-  in the demo an honest round of a 32-sample peer with a 224-sample one lay 2.3 times the reference away,
-  early in training (a limit of 1.5 rejected it). A gradient times -8 in a round of equal weights moves the
-  mean 4-4.5 times the reference away, and 8-9 times if it announces most of the samples; at x-4 (2.1-2.5
-  times) or less it passes, and the groups of three that it joins clip and ban it (suspects.py); a round of
-  two scores the other peer by its distance there too (``PAIR_SUSPECT``, 2 times: a clipped round). A check of
-  direction (reject an average pointing against this peer's own gradient) rejected honest rounds too: a
-  32-sample peer's noisy gradient had cosine -0.52 with the average of its round with a 224-sample one.
+- **a gradient round's distance**: the averaged gradient must also lie within ``RADIUS`` (3) times the
+  reference (above) of this peer's own gradient. In a round of two no robust rule can outvote the other peer
+  (swarm/patches/robust.py gives the plain weighted mean of two); in a larger group the robust rule outvotes a
+  minority, but a group whose attackers are half or more of it is theirs (two colluders in a group of three,
+  or two of four once an honest peer has banned them and left), and the robust result is then their numbers.
+  An honest group's average lies between honest gradients, so no further from this peer's own than the
+  furthest of them, and in a larger group nearer: averaging cancels the others' noise (the mean of three
+  gradients whose noise is four times their common part lies 0.8 times this peer's norm away; in the demo,
+  groups of three lay up to 2.1 times the reference away). The mean of two honest gradients lies between them,
+  (W - w) / W of their distance from this peer's own gradient for weights w (this peer's) and W - w; in the
+  demo an honest round of a 32-sample peer with a 224-sample one lay 2.3 times the reference away, early in
+  training (a limit of 1.5 rejected it). A gradient times -8 in a round of equal weights moves the mean 4-4.5
+  times the reference away, and 8-9 times if it announces most of the samples; at x-4 (2.1-2.5 times) or less
+  it passes, and the groups of three that it joins clip and ban it (suspects.py); a round of two scores the
+  other peer by its distance there too (``PAIR_SUSPECT``, 2 times: a clipped round); a larger round scores
+  nobody by it (the screen cannot tell which groupmates moved the average). A check of direction (reject an
+  average pointing against this peer's own gradient) rejected honest rounds too: a 32-sample peer's noisy
+  gradient had cosine -0.52 with the average of its round with a 224-sample one.
 
 A rejected round is not applied: for gradients the peer steps on its own gradient of the round (as after
 a failed round), for the state (averaged or downloaded) it keeps its own state. Each rejection is counted
@@ -65,7 +72,7 @@ def total_norm(tensors: Sequence[torch.Tensor]) -> float:
 
 
 PAIR_SUSPECT = 2.0  # a round of two this many times the reference away scores the other SUSPECT_SCALE
-PAIR_RADIUS = 3.0  # a round of two: the average within this many times the reference of this peer's gradient
+RADIUS = 3.0  # every gradient round: the average within this many times the reference of this peer's gradient
 
 
 def _distance(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
@@ -96,7 +103,8 @@ class RoundScreen:
         # norms of each part (parameters, optimizer statistics, extra tensors) of the last accepted states
         self.part_norms: dict[str, deque[float]] = {}
         self.history = history
-        self.last_pair_distance = 0.0  # of the last round of two: its distance over the reference
+        self.last_distance = 0.0  # of the last gradient round: its distance over the reference
+        self.last_pair_distance = 0.0  # the same, of the last round if it was a round of two, else 0
         self.rejected_gradient_rounds = 0
         self.rejected_state_rounds = 0
         self.rejected_downloads = 0
@@ -130,12 +138,14 @@ class RoundScreen:
     ) -> str | None:
         """None if the averaged gradient may be applied, else why not (with the figures). ``own_scale``
         multiplies this peer's own norm where its share of the round was shorter than an honest peer's can
-        be (a DiLoCo peer that took fewer inner steps than the others: swarm/averaging/diloco.py). A round of
-        ``group_size`` 2 is also judged by its distance and direction from this peer's own gradient."""
+        be (a DiLoCo peer that took fewer inner steps than the others: swarm/averaging/diloco.py). A round is
+        also judged by its distance from this peer's own gradient; ``group_size`` (2: a round of two, whose
+        distance scores the other peer, :attr:`pair_scale`) names it in the reason."""
         norm, mine = total_norm(averaged), total_norm(own)
         reference = max([mine * own_scale] + ([statistics.median(self.norms)] if self.norms else []))
-        pair = group_size == 2 and self.factor > 0 and reference > 0 and mine > 0
-        self.last_pair_distance = _distance(averaged, own) / reference if pair else 0.0
+        judged = self.factor > 0 and reference > 0 and mine > 0
+        self.last_distance = _distance(averaged, own) / reference if judged else 0.0
+        self.last_pair_distance = self.last_distance if group_size == 2 else 0.0
         if not math.isfinite(norm):
             reason = f"the averaged gradient is non-finite (norm {norm})"
         elif self._outsized(norm, reference):
@@ -145,11 +155,14 @@ class RoundScreen:
                 + (f" x {own_scale:.3g}" if own_scale != 1.0 else "")
                 + f"; the limit is {self.factor:g}x)"
             )
-        elif pair and self.last_pair_distance > PAIR_RADIUS:
+        elif judged and self.last_distance > RADIUS:
+            pair = group_size == 2
+            group = "in a round of two" if pair else f"in a round of {group_size or 'unknown size'}"
+            others = "the other peer's gradient is" if pair else "the group's gradients are"
             reason = (
-                f"in a round of two, the averaged gradient lies {self.last_pair_distance:.2g}x this peer's "
-                f"reference {reference:.3g} from its own gradient (the limit is {PAIR_RADIUS:g}x): the other "
-                "peer's gradient is far from this peer's"
+                f"{group}, the averaged gradient lies {self.last_distance:.2g}x this peer's reference "
+                f"{reference:.3g} from its own gradient (the limit is {RADIUS:g}x): {others} far from "
+                "this peer's"
             )
         else:
             self.norms.append(norm)

@@ -300,16 +300,23 @@ class _SettledState:
                 self._end_unsettled()
 
     def _donors(self: Any) -> list[Any]:
-        """Item 23: the donors that declared themselves in the DHT, newest epoch first (ties in random order,
-        as hivemind's averager.py:689-702), without this peer and the donors refused lately."""
+        """Item 23: the donors that declared themselves in the DHT, newest epoch first, without this peer, the
+        donors refused lately and the groupmates this peer banned (item 21: its averagers would not call
+        them). At one epoch, the donors whose gradients this peer's rounds judged closest to the others' come
+        first (the average of their last judged scales, swarm/suspects.py; 1 for a peer never judged), then
+        in random order, as hivemind's (averager.py:689-702): a groupmate whose gradients were clipped round
+        after round, not yet banned, is asked last."""
         import random
 
         from hivemind.p2p import PeerID
         from hivemind.utils import ValueWithExpiration
 
+        from swarm.patches import robust
+
         found = self.dht.get(f"{self.prefix}.all_averagers", latest=True)
         now = time.monotonic()
         self.refused_donors = {p: t for p, t in self.refused_donors.items() if t > now}
+        suspects = robust.suspects()
         ranked = []
         for key, info in (found.value if found is not None and isinstance(found.value, dict) else {}).items():
             if not (isinstance(info, ValueWithExpiration) and isinstance(info.value, float | int)):
@@ -318,8 +325,14 @@ class _SettledState:
                 peer = PeerID(key)
             except Exception:  # a malformed record
                 continue
-            if peer != self.peer_id and peer.to_base58() not in self.refused_donors:
-                ranked.append(((float(info.value), random.random()), peer))
+            name = peer.to_base58()
+            if peer == self.peer_id or name in self.refused_donors:
+                continue
+            held = suspects.get(name) if suspects is not None else None
+            if held is not None and held.banned_for > 0:
+                continue
+            trust = held.recent_scale if held is not None else 1.0
+            ranked.append(((float(info.value), trust, random.random()), peer))
         return [peer for _, peer in sorted(ranked, key=lambda x: x[0], reverse=True)]
 
     def _load_checked(self: Any, **kwargs: Any) -> Any:

@@ -860,6 +860,63 @@ def test_colluding_donors_that_claim_the_newest_epoch_and_serve_random_numbers_a
         _shutdown(a, b, d)
 
 
+def test_a_download_skips_banned_donors_and_asks_suspected_ones_last(request):
+    """Items 21 and 23. Donor D serves random numbers of each honest tensor's norm; B, C and F hold one honest
+    state (B is a donor). A's rounds have judged D's gradients far from the others' (swarm/suspects.py), in
+    three rounds, not yet a ban: at one epoch (priority 5 both) A asks B before D, so no download is refused
+    (hivemind picks at random: D first half the time, which the check then refuses). Once A has banned D,
+    A does not ask it even when it declares the newest epoch (priority 6), where its averagers would refuse
+    to call it anyway."""
+    from swarm.averaging.donors import DonorCheck
+    from swarm.patches import robust
+
+    prefix, run = "pytest-sa-suspect-donor", "pytest-sa-suspect-donor-run"
+    nodes = _nodes(request, True, 3)
+    torch.manual_seed(0)
+    nets = [torch.nn.Linear(8, 6) for _ in range(3)]
+    honest = _copies(nets[1])
+    with torch.no_grad():
+        for p, q in zip(nets[2].parameters(), honest, strict=True):
+            noise = torch.randn_like(q)
+            p.copy_(noise * (q.norm() / noise.norm()))
+    random_state = _copies(nets[2])
+    a, b, d = _averagers(_class(True), nodes, nets, prefix)
+    refused: list = []
+    a.screen, a.on_rejected = RoundScreen(10.0), lambda *args: refused.append(("screen", *args))
+    a.check_download = DonorCheck(nodes[0], run, a.peer_id.to_base58())
+    a.on_refused = lambda donor, reason: refused.append((donor, reason))
+    suspects, suspect = robust.suspects(), d.peer_id.to_base58()
+    try:
+        b.local_epoch = d.local_epoch = 5
+        b.state_sharing_priority = d.state_sharing_priority = 5
+        records = [("b", b.peer_id.to_base58(), honest), ("c", "honest-c", honest), ("f", "honest-f", honest)]
+        records += [("d", suspect, random_state)]
+        for name, peer_id, tensors in records:
+            _publish_sketch(nodes[1], run, name, peer_id, 5, tensors)
+        expected = {b.peer_id.to_bytes(): 5, d.peer_id.to_bytes(): 5}
+        assert wait_until(lambda: expected.items() <= _priorities(nodes[0], prefix).items(), timeout=30)
+        for scale in (0.4, 0.45, 0.6):
+            assert not suspects.record(suspect, scale)
+        assert a._donors() == [b.peer_id, d.peer_id]
+        a.load_state_from_peers(timeout=5)
+        assert _holds(nets[0], honest) and not refused, refused
+        assert a.check_download.checked == 1 and a.check_download.refused == 0
+
+        assert suspects.record(suspect, 0.3)  # the fourth judged round bans it
+        d.state_sharing_priority = 6
+        expected[d.peer_id.to_bytes()] = 6
+        assert wait_until(lambda: expected.items() <= _priorities(nodes[0], prefix).items(), timeout=30)
+        assert a._donors() == [b.peer_id]
+        with torch.no_grad():
+            for p in nets[0].parameters():
+                p.zero_()
+        a.load_state_from_peers(timeout=5)
+        assert _holds(nets[0], honest) and not refused, refused
+    finally:
+        suspects.clear()
+        _shutdown(a, b, d)
+
+
 def test_a_download_check_keeps_a_lone_swarms_state_and_refuses_an_epoch_nobody_else_reached(
     request, monkeypatch
 ):

@@ -278,9 +278,19 @@ def test_stopping_a_group_also_stops_descendants_that_left_it():
         ],
         start_new_session=True,
     )
+
+    def sleeping() -> list[int]:
+        """The worker once it runs ``sleep``: Popen's child calls setsid before exec, so from then on it is in
+        its own session (seen from here right after the fork, it was still in the agent's group)."""
+        found = descendants(agent.pid)
+        try:
+            return found if len(found) == 1 and _cmdline(found[0]).startswith("sleep") else []
+        except OSError:
+            return []
+
     try:
-        wait_until(lambda: len(descendants(agent.pid)) == 1, timeout=30)
-        (worker,) = descendants(agent.pid)
+        wait_until(lambda: bool(sleeping()), timeout=30)
+        (worker,) = sleeping()
         assert worker not in group_members(agent.pid)  # its own session, out of reach of killpg
         stop_group(agent, grace=2.0)
         wait_until(lambda: not os.path.exists(f"/proc/{worker}") or _zombie(worker), timeout=10)
@@ -288,6 +298,11 @@ def test_stopping_a_group_also_stops_descendants_that_left_it():
     finally:
         if agent.poll() is None:
             agent.kill()
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+        return cmdline.read().replace(b"\0", b" ").decode(errors="replace")
 
 
 def _zombie(pid: int) -> bool:

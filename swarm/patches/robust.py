@@ -26,7 +26,8 @@ with weights from 0.5 to 1.5), so an honest round gives what hivemind gives, exc
 the median's samples counts as the median. A part ``k`` times further than ``tau`` pulls the result ``k``
 times less than in a mean, and a part scaled below ``CUT`` (further than 2 ``tau``) not at all: once the
 iteration ends, it runs again without those parts, from where the centre stands (unless they hold half the
-weight or more). Clipped, two parts of five far outside pulled the result by up to 0.4 ``tau`` every round.
+weight or more, or the slice has fewer than ``CUT_NUMBERS`` numbers: in a few numbers, honest parts can lie
+far apart). Clipped, two parts of five far outside pulled the result by up to 0.4 ``tau`` every round.
 With two senders it is always the weighted mean: a robust rule cannot outvote one of two. Where most parts are
 equal (the parameters of peers in step, in a state round), it is their value.
 
@@ -51,7 +52,8 @@ TAU_FACTOR = 1.5  # tau: this many times the median distance of the parts to the
 WEIGHT_CAP = 1.0  # no sender's weight counts for more than this many times the round's median weight
 ITERATIONS = 20  # at most; it stops once the centre moves by less than TOLERANCE of tau
 TOLERANCE = 1e-4
-CUT = 0.5  # a part scaled below this (further than 2 tau from the centre) takes no part in the result
+CUT = 0.5  # a part scaled below this (further than 2 tau from the centre) takes no part in the result,
+CUT_NUMBERS = 1000  # in a slice of at least this many numbers (where honest parts lie about equally far)
 _clipped: Any = None  # mp.Value: senders' parts scaled down by this process's averagers (forked: shared)
 _suspects: Any = None  # swarm.suspects.Suspects, shared by the averager processes forked after install
 _SCORING = False  # True in a gradient averager's process: its reducers judge senders (score_senders_here)
@@ -125,7 +127,7 @@ def centered_clip(
         return mean.to(parts.dtype), scale
     centre, clip = _iterate(rows, w, centre, tau, iterations, tolerance)
     far = clip < CUT
-    if bool(far.any()) and float(w[~far].sum()) > 0.5 * float(total):
+    if rows.shape[1] >= CUT_NUMBERS and bool(far.any()) and float(w[~far].sum()) > 0.5 * float(total):
         # the parts far outside: no pull at all (clipped, each still pulls by up to tau, and two attackers of
         # five moved the result by up to 0.4 tau every round); the others' centre, from where it stands
         centre, _ = _iterate(rows[~far], w[~far], centre, tau, iterations, tolerance)

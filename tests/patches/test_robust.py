@@ -195,7 +195,8 @@ def test_parts_far_outside_pull_the_result_not_at_all(monkeypatch):
     """Three honest gradients and two that are honest ones times -8 (two colluders of five): CenteredClip
     scales the two to tau from the centre, yet each still pulls it that far uphill (about 0.4 tau together,
     every round). Parts scaled below CUT take no part once the iteration ends: the result is the honest
-    parts' mean, and both are still scaled below CUT (so their senders are judged as before). Without the cut
+    parts' mean, and both are still scaled below CUT (so their senders are judged as before). Not in a slice
+    of fewer than CUT_NUMBERS numbers, where honest parts can lie far apart. Without the cut
     (CUT 0) the same round lies over a third of the honest mean's norm away from it, toward the attackers."""
     true, rows = _gradients(seed=4, count=5, noise=1.0)
     honest = torch.stack(rows[:3]).mean(0)
@@ -203,8 +204,10 @@ def test_parts_far_outside_pull_the_result_not_at_all(monkeypatch):
     got, scale = robust.centered_clip(parts, torch.ones(5))
     torch.testing.assert_close(got, honest, rtol=1e-4, atol=1e-6)
     assert scale[:3].tolist() == [1.0, 1.0, 1.0] and bool((scale[3:] < robust.CUT).all()), scale
+    few, _ = robust.centered_clip(parts[:, :100], torch.ones(5))  # a slice of 100 numbers: not cut
     monkeypatch.setattr(robust, "CUT", 0.0)
     clipped, same = robust.centered_clip(parts, torch.ones(5))
     assert torch.equal(same, scale)
+    assert torch.equal(robust.centered_clip(parts[:, :100], torch.ones(5))[0], few)
     assert float((clipped - honest).norm()) > float(honest.norm()) / 3, (clipped - honest).norm()
     assert _cos(clipped - honest, true) < -0.3  # the pull is uphill

@@ -115,7 +115,12 @@ class RoundScreen:
     def pair_scale(self) -> float:
         """The other peer's scale in the last round of two (swarm/suspects.py): ``SUSPECT_SCALE`` at
         ``PAIR_SUSPECT`` times the reference from this peer's own gradient, less further away, at most 1."""
-        distance = self.last_pair_distance
+        return self.scale_at(self.last_pair_distance)
+
+    @staticmethod
+    def scale_at(distance: float) -> float:
+        """A groupmate's scale for an average ``distance`` times the reference from this peer's own gradient:
+        ``SUSPECT_SCALE`` at ``PAIR_SUSPECT``, less further away, at most 1 (0 where not finite)."""
         if not math.isfinite(distance):
             return 0.0
         return min(1.0, SUSPECT_SCALE * PAIR_SUSPECT / distance) if distance > 0 else 1.0

@@ -431,6 +431,7 @@ def screen_rounds(opt: Any, screen: Any, on_rejected: Any, own_scale: Any = None
     load, averager = opt._load_averaged_gradients_into_optimizer_, opt.grad_averager
     average = opt._average_gradients_and_load_into_optimizer
     round_control: list[Any] = [None]
+    outvotes_seen: dict[str, int] = {}  # per groupmate: the outvoted rounds counted when last in a round of 3
 
     def average_keeping(control: Any) -> Any:
         round_control[0] = control
@@ -449,6 +450,8 @@ def screen_rounds(opt: Any, screen: Any, on_rejected: Any, own_scale: Any = None
                 )
             if len(group) == 2:  # the robust rule cannot judge the other of two: this screen does
                 _judge_other(group, opt.dht.peer_id, screen.pair_scale)
+            elif len(group) == 3:  # two that outvoted this peer's reducer, in a round the screen rejects
+                _judge_outvoters(group, opt.dht.peer_id, screen, reason is not None, outvotes_seen)
             if reason is not None:
                 averager.use_own_gradients()
                 on_rejected("gradient", reason, averager.own_samples)
@@ -468,6 +471,28 @@ def _group_of(control: Any) -> list[Any]:
     except Exception:
         pass
     return []
+
+
+def _judge_outvoters(group: list[Any], own: Any, screen: Any, rejected: bool, seen: dict[str, int]) -> None:
+    """A round of three (swarm/suspects.py, "outvoted, then rejected"): each groupmate that outvoted this
+    peer's reducer in it gets a judged round, scored by the average's distance as in a round of two, when the
+    screen rejected the round for that distance. ``seen`` keeps each groupmate's count of outvoted rounds
+    from its last round of three with this peer, so a count that grew since came from this round."""
+    suspects = robust.suspects()
+    if suspects is None:
+        return
+    from swarm.averaging.screen import RADIUS
+
+    far = rejected and screen.last_distance > RADIUS
+    scale = screen.scale_at(screen.last_distance)
+    for peer in group:
+        if peer == own:
+            continue
+        name = str(peer)
+        count = suspects.outvotes(name)
+        if far and count > seen.get(name, 0):
+            suspects.record(name, scale)
+        seen[name] = count
 
 
 def _judge_other(group: list[Any], own: Any, scale: float) -> None:

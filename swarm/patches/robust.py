@@ -255,6 +255,10 @@ def _judge_senders(reducer: Any) -> None:
         return
     own = [total / count for index, (total, count) in scales.items() if senders[index] == reducer.own_peer_id]
     if own and own[0] < SUSPECT_SCALE:
+        if len(scales) == 3:  # two that outvoted this peer: the round screen decides (swarm/suspects.py)
+            for index, (total, count) in scales.items():
+                if senders[index] != reducer.own_peer_id and count and total / count >= SUSPECT_SCALE:
+                    _suspects.outvoted_by(str(senders[index]))
         return
     for index, (total, count) in scales.items():
         if senders[index] != reducer.own_peer_id and count:

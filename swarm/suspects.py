@@ -26,13 +26,16 @@ time, between rounds at 1: the average of a peer's last five judged scales (four
 State rounds are not judged here: a peer that stepped alone for a few epochs differs from a group in step,
 and the robust rule then counts it as clipped although it is honest.
 
-- **outvoted, then rejected**: in a round of three, two colluders are the majority; the reducer's own part
-  is the one clipped and judges nobody (robust.py), yet the round screen rejects the result, far from this
-  peer's own gradient. The reducer notes who outvoted it (:meth:`Suspects.outvoted_by`); when the screen
-  rejects that round by its distance, each of the two gets a judged round scored as the other of a round of
-  two would be (``SUSPECT_SCALE * PAIR_SUSPECT / d``, below 0.24). Honest groups of three never lay more than
-  2.1 times the reference away in the demo (480 rounds; the limit is 3): a peer held in groups of three by
-  two colluders bans them instead of rejecting every round.
+- **far, in a round the screen rejects**: a robust rule outvotes a minority only; two colluders in a group of
+  three (or two of four) make the round's result theirs, and a reducer then judges them close (its own part
+  clipped, or nobody clipped: honest and colluding parts about equally far from the median). The reducer
+  notes each sender whose parts lay more than ``FAR_FROM_OWN`` (3) times its own part's norm from its own
+  part (:meth:`Suspects.noted_far`; honest parts lie about 1.4 times away where their noise is as large as
+  their common part, a x-8 flip 7-9 times); when the round screen rejects that round for its distance from
+  this peer's own gradient, each groupmate so noted gets a judged round scored as the other of a round of two
+  would be (``SUSPECT_SCALE * PAIR_SUSPECT / d``, below 0.24). Honest rounds of three or four never lay more
+  than 2.1 times the reference away in the demo and the localhost test (the limit is 3): a peer that two
+  colluders hold in their groups bans them instead of rejecting every round.
 
 A groupmate whose last ``WINDOW`` judged scales (at least ``MIN_JUDGED`` of them) average below
 ``BAN_BELOW`` is banned for ``BAN_SECONDS`` (each later ban of the same peer lasts twice as long as the one
@@ -74,7 +77,7 @@ class _Slot(ctypes.Structure):
         ("bans", ctypes.c_int64),
         ("first_banned", ctypes.c_double),  # when it was first banned (time.time()); 0 if never
         ("ban_scale", ctypes.c_double),  # the average scale that got it banned the last time
-        ("outvoted", ctypes.c_int64),  # rounds of three in which it and the third outvoted this peer
+        ("far", ctypes.c_int64),  # rounds whose parts it sent lay far from this peer's own (noted_far)
     ]
 
 
@@ -149,22 +152,22 @@ class Suspects:
             slot = self._find(_key(peer), False, now)
             return _suspect(slot, now) if slot is not None else None
 
-    def outvoted_by(self, peer: str, now: float | None = None) -> None:
-        """Count a round of three in which ``peer`` and the third sender outvoted this peer's reducer: its own
-        part was clipped and theirs not (swarm/patches/robust.py). Not a judged round: only the round screen,
-        which sees the round's result, can tell a captured honest peer from an outlier (:meth:`outvotes`)."""
+    def noted_far(self, peer: str, now: float | None = None) -> None:
+        """Count a round of three or more senders in which the parts ``peer`` sent this peer's reducer lay far
+        from this peer's own part (swarm/patches/robust.py ``FAR_FROM_OWN``). Not a judged round: only the
+        round screen, which sees the round's result, can tell an attack (:meth:`far_rounds`)."""
         now = time.monotonic() if now is None else now
         with self._lock:
             slot = self._find(_key(peer), True, now)
             if slot is not None:
-                slot.outvoted += 1
+                slot.far += 1
                 slot.seen = now
 
-    def outvotes(self, peer: str) -> int:
-        """Rounds of three in which ``peer`` outvoted this peer's reducer, so far."""
+    def far_rounds(self, peer: str) -> int:
+        """Rounds in which ``peer``'s parts lay far from this peer's own (:meth:`noted_far`), so far."""
         with self._lock:
             slot = self._find(_key(peer), False, time.monotonic())
-            return int(slot.outvoted) if slot is not None else 0
+            return int(slot.far) if slot is not None else 0
 
     def banned_for(self, peer: str, now: float | None = None) -> float:
         """Seconds left of ``peer``'s ban; 0 if it is not banned."""

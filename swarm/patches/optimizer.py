@@ -431,7 +431,7 @@ def screen_rounds(opt: Any, screen: Any, on_rejected: Any, own_scale: Any = None
     load, averager = opt._load_averaged_gradients_into_optimizer_, opt.grad_averager
     average = opt._average_gradients_and_load_into_optimizer
     round_control: list[Any] = [None]
-    outvotes_seen: dict[str, int] = {}  # per groupmate: the outvoted rounds counted when last in a round of 3
+    far_seen: dict[str, int] = {}  # per groupmate: its far rounds counted when last in a round with this peer
 
     def average_keeping(control: Any) -> Any:
         round_control[0] = control
@@ -450,8 +450,8 @@ def screen_rounds(opt: Any, screen: Any, on_rejected: Any, own_scale: Any = None
                 )
             if len(group) == 2:  # the robust rule cannot judge the other of two: this screen does
                 _judge_other(group, opt.dht.peer_id, screen.pair_scale)
-            elif len(group) == 3:  # two that outvoted this peer's reducer, in a round the screen rejects
-                _judge_outvoters(group, opt.dht.peer_id, screen, reason is not None, outvotes_seen)
+            elif len(group) > 2:  # groupmates whose parts lay far from this peer's, in a round it rejects
+                _judge_far(group, opt.dht.peer_id, screen, reason is not None, far_seen)
             if reason is not None:
                 averager.use_own_gradients()
                 on_rejected("gradient", reason, averager.own_samples)
@@ -473,11 +473,12 @@ def _group_of(control: Any) -> list[Any]:
     return []
 
 
-def _judge_outvoters(group: list[Any], own: Any, screen: Any, rejected: bool, seen: dict[str, int]) -> None:
-    """A round of three (swarm/suspects.py, "outvoted, then rejected"): each groupmate that outvoted this
-    peer's reducer in it gets a judged round, scored by the average's distance as in a round of two, when the
-    screen rejected the round for that distance. ``seen`` keeps each groupmate's count of outvoted rounds
-    from its last round of three with this peer, so a count that grew since came from this round."""
+def _judge_far(group: list[Any], own: Any, screen: Any, rejected: bool, seen: dict[str, int]) -> None:
+    """A round of three or more (swarm/suspects.py, "far, in a round the screen rejects"): each groupmate
+    whose parts this peer's reducer noted far from its own in this round gets a judged round, scored by the
+    average's distance as in a round of two, when the screen rejected the round for that distance. ``seen``
+    keeps each groupmate's count of far rounds from its last round with this peer, so a count that grew since
+    came from this round."""
     suspects = robust.suspects()
     if suspects is None:
         return
@@ -489,7 +490,7 @@ def _judge_outvoters(group: list[Any], own: Any, screen: Any, rejected: bool, se
         if peer == own:
             continue
         name = str(peer)
-        count = suspects.outvotes(name)
+        count = suspects.far_rounds(name)
         if far and count > seen.get(name, 0):
             suspects.record(name, scale)
         seen[name] = count

@@ -52,6 +52,7 @@ TAU_FACTOR = 1.5  # tau: this many times the median distance of the parts to the
 WEIGHT_CAP = 1.0  # no sender's weight counts for more than this many times the round's median weight
 ITERATIONS = 20  # at most; it stops once the centre moves by less than TOLERANCE of tau
 TOLERANCE = 1e-4
+FAR_FROM_OWN = 3.0  # a sender's parts this many times the own part's norm from it: noted (swarm/suspects.py)
 CUT = 0.5  # a part scaled below this (further than 2 tau from the centre) takes no part in the result,
 CUT_NUMBERS = 1000  # in a slice of at least this many numbers (where honest parts lie about equally far)
 _clipped: Any = None  # mp.Value: senders' parts scaled down by this process's averagers (forked: shared)
@@ -174,6 +175,9 @@ def _reducer_class(counter: Any) -> type:
             self._kept: list[tuple[torch.Tensor, float, int]] = []
             # per sender index: (sum of the scales of its parts, parts) in this round, where 3 or more sent
             self.__dict__.setdefault("sender_scales", {})
+            # per sender index: (sum over its parts of their distance from this peer's own part, over the own
+            # part's norm; parts), where 3 or more sent
+            self.__dict__.setdefault("sender_far", {})
             super().reset_accumulators()
 
         async def accumulate_part(
@@ -224,9 +228,27 @@ def _reducer_class(counter: Any) -> type:
                     for (_, _, sender), factor in zip(kept, judged, strict=True):
                         total, count = self.sender_scales.get(sender, (0.0, 0))
                         self.sender_scales[sender] = (total + factor, count + 1)
+                    self._measure_from_own(parts, weights, [sender for _, _, sender in kept])
                 result = flat.reshape(shape)
             self.current_part_future.set_result(result)
             self.reset_accumulators()
+
+        def _measure_from_own(self, parts: torch.Tensor, weights: torch.Tensor, senders: list[int]) -> None:
+            """Each sender's part's distance from this peer's own part, over the own part's norm; a sender
+            with fewer samples than the round's median is allowed the larger noise of its smaller batch (the
+            distance is divided by the square root of the ratio, as its scale is in ``_judged_scales``)."""
+            names, own = self.__dict__.get("sender_peer_ids"), self.__dict__.get("own_peer_id")
+            if names is None or own is None or own not in names or names.index(own) not in senders:
+                return
+            mine = parts[senders.index(names.index(own))]
+            norm = float(torch.linalg.vector_norm(mine))
+            if norm <= 0:
+                return
+            share = (weights / _median(weights.unsqueeze(1))).clamp(min=1e-12, max=1.0)
+            distances = torch.linalg.vector_norm(parts - mine, dim=1) / norm * share.sqrt()
+            for sender, distance in zip(senders, distances.tolist(), strict=True):
+                total, count = self.sender_far.get(sender, (0.0, 0))
+                self.sender_far[sender] = (total + distance, count + 1)
 
         def finalize(self) -> None:
             if not self.finished.is_set():
@@ -253,12 +275,11 @@ def _judge_senders(reducer: Any) -> None:
     scales, senders = reducer.__dict__.get("sender_scales"), reducer.__dict__.get("sender_peer_ids")
     if not (_SCORING and scales and senders and _suspects is not None):
         return
+    for index, (total, count) in reducer.__dict__.get("sender_far", {}).items():
+        if senders[index] != reducer.own_peer_id and count and total / count > FAR_FROM_OWN:
+            _suspects.noted_far(str(senders[index]))  # the round screen decides (swarm/suspects.py)
     own = [total / count for index, (total, count) in scales.items() if senders[index] == reducer.own_peer_id]
     if own and own[0] < SUSPECT_SCALE:
-        if len(scales) == 3:  # two that outvoted this peer: the round screen decides (swarm/suspects.py)
-            for index, (total, count) in scales.items():
-                if senders[index] != reducer.own_peer_id and count and total / count >= SUSPECT_SCALE:
-                    _suspects.outvoted_by(str(senders[index]))
         return
     for index, (total, count) in scales.items():
         if senders[index] != reducer.own_peer_id and count:

@@ -142,8 +142,9 @@ def test_a_reducer_outvoted_in_its_round_judges_nobody(monkeypatch):
     senders and a gradient times -8: the reducer (an honest one) judges the attacker far and the other honest
     sender close. Two colluders that send the same gradient times -8 and one honest sender: the colluders are
     the round's majority, so the rule scales the honest part down (the reducer's own) and theirs not at all;
-    the reducer judges nobody rather than count the colluders as honest, and notes that they outvoted it
-    (the round screen decides: swarm/patches/optimizer.py ``_judge_outvoters``)."""
+    the reducer judges nobody rather than count the colluders as honest. In both rounds it notes the senders
+    whose parts lay far from its own (more than FAR_FROM_OWN times its norm away): the gradients times -8,
+    not the honest one (the round screen decides: swarm/patches/optimizer.py ``_judge_far``)."""
     import asyncio
 
     monkeypatch.setattr(robust, "_SCORING", True)  # as in a gradient averager's process
@@ -162,10 +163,10 @@ def test_a_reducer_outvoted_in_its_round_judges_nobody(monkeypatch):
     table = robust.suspects()
     scales = {s.peer: s.recent_scale for s in [table.get("second"), table.get("third")]}
     assert scales["second"] == 1.0 and scales["third"] < 0.2, scales
-    assert [table.outvotes(peer) for peer in ("second", "third")] == [0, 0]
+    assert [table.far_rounds(peer) for peer in ("second", "third")] == [0, 1]
     asyncio.run(reduce([a, -8 * c, -8 * c]))
     assert [table.get(peer).rounds for peer in ("second", "third")] == [1, 1]
-    assert [table.outvotes(peer) for peer in ("second", "third")] == [1, 1]
+    assert [table.far_rounds(peer) for peer in ("second", "third")] == [1, 2]
 
 
 def test_centered_clip_figures():
@@ -216,15 +217,16 @@ def test_parts_far_outside_pull_the_result_not_at_all(monkeypatch):
     assert _cos(clipped - honest, true) < -0.3  # the pull is uphill
 
 
-def test_peers_that_outvoted_this_one_in_a_round_the_screen_rejects_are_judged(monkeypatch):
-    """A round of three whose two others outvoted this peer's reducer (two colluders) and whose result the
-    round screen rejected for its distance from this peer's own gradient: each of the two gets a judged round,
-    scored as the other of a round of two would be; four such rounds ban them (where judging nobody, the
-    captured peer rejected every round and never banned them: the attack bench's 3 honest / 2 attackers row).
-    A round whose result the screen accepts, or a groupmate that did not outvote this peer in it, counts
+def test_groupmates_far_from_this_peer_in_a_round_the_screen_rejects_are_judged(monkeypatch):
+    """A round of three whose two others sent parts far from this peer's own (two colluders: the reducer
+    noted them, swarm/suspects.py) and whose result the round screen rejected for its distance from this
+    peer's own gradient: each of the two gets a judged round, scored as the other of a round of two would be;
+    four such rounds ban them (where such a round judged nobody, or credited them as close, a peer that two
+    colluders held in their groups rejected every round and never banned them: the attack bench's 3 honest /
+    2 attackers row). A round whose result the screen accepts, or a groupmate not noted far in it, counts
     nothing."""
     from swarm.averaging.screen import RoundScreen
-    from swarm.patches.optimizer import _judge_outvoters
+    from swarm.patches.optimizer import _judge_far
 
     table = suspects.Suspects()
     monkeypatch.setattr(robust, "_suspects", table)
@@ -236,10 +238,10 @@ def test_peers_that_outvoted_this_one_in_a_round_the_screen_rejects_are_judged(m
     for round_ in range(suspects.MIN_JUDGED):
         screen = RoundScreen(10.0)
         for peer in colluders:
-            table.outvoted_by(peer)
+            table.noted_far(peer)
         reason = screen.judge_gradients([-8 * honest], [mine], group_size=3)
         assert reason is not None and screen.last_distance > 3, screen.last_distance
-        _judge_outvoters(group, own, screen, True, seen)
+        _judge_far(group, own, screen, True, seen)
         for peer in colluders:
             found = table.get(peer)
             assert found.rounds == found.clipped == round_ + 1, found  # each scored below SUSPECT_SCALE
@@ -248,10 +250,10 @@ def test_peers_that_outvoted_this_one_in_a_round_the_screen_rejects_are_judged(m
     table.clear()
     seen.clear()
     screen = RoundScreen(10.0)
-    table.outvoted_by(colluders[0])  # outvoted, but the result is honest: accepted, nobody judged
+    table.noted_far(colluders[0])  # far, but the result is honest: accepted, nobody judged
     assert screen.judge_gradients([honest], [mine], group_size=3) is None
-    _judge_outvoters(group, own, screen, False, seen)
+    _judge_far(group, own, screen, False, seen)
     assert table.get(colluders[0]).rounds == 0 and table.get(colluders[1]) is None
-    screen.judge_gradients([-8 * honest], [mine], group_size=3)  # rejected, and nobody outvoted this peer
-    _judge_outvoters(group, own, screen, True, seen)
+    screen.judge_gradients([-8 * honest], [mine], group_size=3)  # rejected, and nobody noted far in it
+    _judge_far(group, own, screen, True, seen)
     assert table.get(colluders[0]).rounds == 0 and table.get(colluders[1]) is None

@@ -97,6 +97,8 @@ def _inner(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
 class RoundScreen:
     """Judges averaged results. ``factor`` <= 0 turns every check off except the one for non-finite values."""
 
+    radius = RADIUS  # a gradient round's average within this many times the reference of this peer's own
+
     def __init__(self, factor: float = 10.0, history: int = 16) -> None:
         self.factor = factor
         self.norms: deque[float] = deque(maxlen=history)  # norms of the last accepted gradient rounds
@@ -160,13 +162,13 @@ class RoundScreen:
                 + (f" x {own_scale:.3g}" if own_scale != 1.0 else "")
                 + f"; the limit is {self.factor:g}x)"
             )
-        elif judged and self.last_distance > RADIUS:
+        elif judged and self.last_distance > self.radius:
             pair = group_size == 2
             group = "in a round of two" if pair else f"in a round of {group_size or 'unknown size'}"
             others = "the other peer's gradient is" if pair else "the group's gradients are"
             reason = (
                 f"{group}, the averaged gradient lies {self.last_distance:.2g}x this peer's reference "
-                f"{reference:.3g} from its own gradient (the limit is {RADIUS:g}x): {others} far from "
+                f"{reference:.3g} from its own gradient (the limit is {self.radius:g}x): {others} far from "
                 "this peer's"
             )
         else:

@@ -482,9 +482,7 @@ def _judge_far(group: list[Any], own: Any, screen: Any, rejected: bool, seen: di
     suspects = robust.suspects()
     if suspects is None:
         return
-    from swarm.averaging.screen import RADIUS
-
-    far = rejected and screen.last_distance > RADIUS
+    far = rejected and screen.last_distance > screen.radius
     scale = screen.scale_at(screen.last_distance)
     for peer in group:
         if peer == own:

@@ -804,6 +804,19 @@ def _publish_sketch(node, run: str, name: str, peer_id: str, epoch: int, tensors
     metrics.publish(node, run, name.encode(), record, expiration=120).result(timeout=10)
 
 
+def _newcomer_honest_and_random_nets() -> tuple[list[torch.nn.Module], list[torch.Tensor]]:
+    """Three nets (a newcomer's, an honest donor's, and one of random numbers of each honest tensor's own
+    norm, which the screen lets through) and a copy of the honest one's parameters."""
+    torch.manual_seed(0)
+    nets = [torch.nn.Linear(8, 6) for _ in range(3)]
+    honest = _copies(nets[1])
+    with torch.no_grad():
+        for p, q in zip(nets[2].parameters(), honest, strict=True):
+            noise = torch.randn_like(q)
+            p.copy_(noise * (q.norm() / noise.norm()))
+    return nets, honest
+
+
 @PLAIN_OR_PATCHED
 def test_colluding_donors_that_claim_the_newest_epoch_and_serve_random_numbers_are_outvoted(request, patched):
     """Item 23. hivemind downloads from the donor that declares the highest priority (averaging/averager.py:
@@ -817,13 +830,7 @@ def test_colluding_donors_that_claim_the_newest_epoch_and_serve_random_numbers_a
 
     prefix, run = "pytest-sa-bad-donor", "pytest-sa-bad-donor-run"
     nodes = _nodes(request, patched, 3)
-    torch.manual_seed(0)
-    nets = [torch.nn.Linear(8, 6) for _ in range(3)]
-    honest = _copies(nets[1])
-    with torch.no_grad():
-        for p, q in zip(nets[2].parameters(), honest, strict=True):
-            noise = torch.randn_like(q)
-            p.copy_(noise * (q.norm() / noise.norm()))
+    nets, honest = _newcomer_honest_and_random_nets()
     random_state, newcomer_own = _copies(nets[2]), _copies(nets[0])
     a, b, d = _averagers(_class(patched), nodes, nets, prefix)
     refused: list = []
@@ -872,13 +879,7 @@ def test_a_download_skips_banned_donors_and_asks_suspected_ones_last(request):
 
     prefix, run = "pytest-sa-suspect-donor", "pytest-sa-suspect-donor-run"
     nodes = _nodes(request, True, 3)
-    torch.manual_seed(0)
-    nets = [torch.nn.Linear(8, 6) for _ in range(3)]
-    honest = _copies(nets[1])
-    with torch.no_grad():
-        for p, q in zip(nets[2].parameters(), honest, strict=True):
-            noise = torch.randn_like(q)
-            p.copy_(noise * (q.norm() / noise.norm()))
+    nets, honest = _newcomer_honest_and_random_nets()
     random_state = _copies(nets[2])
     a, b, d = _averagers(_class(True), nodes, nets, prefix)
     refused: list = []

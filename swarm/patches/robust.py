@@ -157,11 +157,17 @@ def _judged_scales(scale: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     the round's median sends a noisier gradient, further from the others by about the square root of the
     ratio, and its scale is divided by that root (at most 1). A sender that announces few samples to escape
     judgement pulls the mean that much less."""
+    share = _shares(weights)
+    return scale if share is None else (scale / share.sqrt()).clamp(max=1.0)
+
+
+def _shares(weights: torch.Tensor) -> torch.Tensor | None:
+    """Each sender's weight over the round's median positive weight, at most 1 (None if no weight is
+    positive): the noise of a smaller batch is larger by the square root of its inverse."""
     positive = weights[weights > 0]
     if positive.numel() == 0:
-        return scale
-    share = (weights / _median(positive.unsqueeze(1))).clamp(min=1e-12, max=1.0)
-    return (scale / share.sqrt()).clamp(max=1.0)
+        return None
+    return (weights / _median(positive.unsqueeze(1))).clamp(min=1e-12, max=1.0)
 
 
 def _reducer_class(counter: Any) -> type:
@@ -228,7 +234,8 @@ def _reducer_class(counter: Any) -> type:
                     for (_, _, sender), factor in zip(kept, judged, strict=True):
                         total, count = self.sender_scales.get(sender, (0.0, 0))
                         self.sender_scales[sender] = (total + factor, count + 1)
-                    self._measure_from_own(parts, weights, [sender for _, _, sender in kept])
+                    if _SCORING:  # only a gradient averager's senders are judged
+                        self._measure_from_own(parts, weights, [sender for _, _, sender in kept])
                 result = flat.reshape(shape)
             self.current_part_future.set_result(result)
             self.reset_accumulators()
@@ -244,8 +251,7 @@ def _reducer_class(counter: Any) -> type:
             norm = float(torch.linalg.vector_norm(mine))
             if norm <= 0:
                 return
-            share = (weights / _median(weights.unsqueeze(1))).clamp(min=1e-12, max=1.0)
-            distances = torch.linalg.vector_norm(parts - mine, dim=1) / norm * share.sqrt()
+            distances = torch.linalg.vector_norm(parts - mine, dim=1) / norm * _shares(weights).sqrt()
             for sender, distance in zip(senders, distances.tolist(), strict=True):
                 total, count = self.sender_far.get(sender, (0.0, 0))
                 self.sender_far[sender] = (total + distance, count + 1)

@@ -6,7 +6,7 @@ module                 hivemind area (and the items of docs/hivemind-patches.md 
 =====================  =========================================================================
 ``matchmaking``        averaging/matchmaking.py: groups close when full (1), paced reads (20)
 ``allreduce``          averaging/allreduce.py: one buffer per dtype and role (3), groupmates that
-                       never join (8), strangers named (11)
+                       never join (8), strangers named (11), banned groupmates in a formed round (28)
 ``state_averager``     optim/state_averager.py: untorn downloads (4), judged states (7), sane
                        epochs (9), bounded state matchmaking (12), held epoch (13), paced donor
                        records (18)
@@ -17,7 +17,7 @@ module                 hivemind area (and the items of docs/hivemind-patches.md 
 ``optimizer``          optim/optimizer.py: rounds never cancelled or skipped (5, 10), judged
                        gradients (7), strangers met (11), downloads numbered (13), agreed state
                        rounds skipped (16), AdamW counters by epoch (17)
-``rpc_guard``          p2p/servicer.py: averagers serve and call only admitted peers
+``rpc_guard``          p2p/servicer.py: averagers serve and call only admitted peers (28)
 ``robust``             averaging/partition.py: a robust mean of each reduced slice (21)
 ``traffic``            averaging/allreduce.py: bytes sent in rounds, counted
 ``compression``        compression/quantization.py: 8-bit decoding with NumPy >= 2.4

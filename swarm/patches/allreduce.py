@@ -17,22 +17,27 @@ different averager (item 11).
 
 **What this changes.** :class:`PacksParts` averages one buffer per dtype and role. The patch answers a part
 of an unknown group with ``BAD_GROUP_ID`` after ``request_timeout`` of its own running time (a stall of the
-averager's process does not count; a part of the group this averager
-assembled and whose trigger it awaits, in a pre-scheduled round, waits as in hivemind), drops a groupmate
-whose reducer failed before it sent anything, and names those that answered ``BAD_GROUP_ID`` (strangers) in
-the round's result, a :class:`Gathered` (:class:`NamesStrangers`), so that the optimizer can meet them in the
-next gradient round (swarm/patches/optimizer.py).
+averager's process does not count; a part of the group this averager assembled and whose trigger it awaits,
+in a pre-scheduled round, waits as in hivemind), drops a groupmate whose reducer failed before it sent
+anything, or whose parts this peer refused once it banned the groupmate in the middle of the round
+(:func:`drop_sender`, called by swarm/patches/rpc_guard.py); to a groupmate it banned it still sends its own
+parts, and takes nothing back (item 28); and it names those that answered ``BAD_GROUP_ID``
+(strangers) in the round's result, a :class:`Gathered` (:class:`NamesStrangers`), so that the optimizer can
+meet them in the next gradient round (swarm/patches/optimizer.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from functools import cache
 from typing import Any, get_type_hints
 
 import torch
 
 from swarm.patches._registry import Patch
+
+log = logging.getLogger(__name__)
 
 _STRANGERS = "_swarm_strangers"  # attribute of one round's AllReduceRunner (ours: set in our own wrapper)
 _ASSEMBLED = "_swarm_assembled"  # attribute of an averager's Matchmaking: the group it assembled last
@@ -108,6 +113,19 @@ class PacksParts:
         return result
 
 
+async def drop_sender(averager: Any, peer_id: Any) -> None:
+    """Drop ``peer_id`` as a sender from every round ``averager`` runs now in which it has sent nothing yet
+    (item 28): this peer has just refused its parts (it banned ``peer_id`` during the round), and hivemind's
+    reducer would otherwise wait ``sender_timeout`` for them, and every groupmate for this peer's slice. Runs
+    in the averager process."""
+    for future in list(averager._running_groups.values()):
+        if not future.done() or future.cancelled() or future.exception() is not None:
+            continue
+        runner = future.result()
+        if peer_id in runner.sender_peer_ids and peer_id not in runner.active_senders:
+            await runner._ban_sender(peer_id)
+
+
 @cache
 def packing(base: type) -> type:
     """``base`` (one of hivemind's averager classes) averaging one buffer per dtype and role (item 3). Keeps
@@ -119,7 +137,9 @@ def _targets() -> list[tuple[Any, str, Any]]:
     from hivemind.averaging.allreduce import AllReduceRunner
     from hivemind.averaging.averager import DecentralizedAverager
     from hivemind.proto import averaging_pb2
-    from hivemind.utils.asyncio import achain, anext, as_aiter
+    from hivemind.utils.asyncio import achain, aiter_with_timeout, anext, as_aiter
+
+    from swarm.patches import rpc_guard
 
     communicate = AllReduceRunner._communicate_with_peer
 
@@ -165,7 +185,12 @@ def _targets() -> list[tuple[Any, str, Any]]:
         """hivemind's ``AllReduceRunner._communicate_with_peer``; a groupmate whose reducer failed before it
         sent a single part is dropped as a sender too (item 8), instead of being awaited for
         ``sender_timeout``. One that answered ``BAD_GROUP_ID`` (allreduce.py raises "<peer> sent
-        BAD_GROUP_ID") never learnt of the group: it is named a stranger (item 11)."""
+        BAD_GROUP_ID") never learnt of the group: it is named a stranger (item 11). A groupmate this peer
+        has banned gets this peer's parts, and nothing it sends counts here (item 28,
+        :func:`_parts_to_banned`)."""
+        if peer_id != self.peer_id and rpc_guard.banned_here(peer_id):
+            await _parts_to_banned(self, peer_id)
+            return
         try:
             await communicate(self, peer_id)
         except Exception as exc:
@@ -174,6 +199,29 @@ def _targets() -> list[tuple[Any, str, Any]]:
                     self.__dict__.setdefault(_STRANGERS, set()).add(peer_id)
                 await self._ban_sender(peer_id)
             raise
+
+    async def _parts_to_banned(self: Any, peer_id: Any) -> None:
+        """A round whose group holds ``peer_id``, which this peer banned (before the round, or during it:
+        another groupmate that has not banned it assembled the group). This peer's reducer counts none of its
+        parts from now on (this peer's averager refuses them, swarm/patches/rpc_guard.py), and its slice of
+        the result keeps this peer's own numbers; but this peer sends it its parts, as hivemind does: its
+        reducer may have counted on them (it called this peer's reducer before the ban), and would wait
+        ``sender_timeout`` for them, and the other groupmates for its slice. What it sends back is read
+        and not used. Runs in the averager process."""
+        index = self.ordered_peer_ids.index(peer_id)
+        if peer_id in self.sender_peer_ids:
+            await self._ban_sender(peer_id)
+        self.tensor_part_container.register_failed_reducer(index)
+        if self.peer_id not in self.sender_peer_ids:
+            return
+        try:
+            parts = self._generate_input_for_peer(index)
+            with rpc_guard.sending_to_banned():
+                stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(parts)
+            async for _ in aiter_with_timeout(stream, self.reducer_timeout):
+                pass
+        except Exception as exc:  # its own round is its affair
+            log.debug("Sending parts to the banned groupmate %s failed: %r", peer_id, exc)
 
     from hivemind.averaging.matchmaking import Matchmaking
 

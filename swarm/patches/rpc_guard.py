@@ -17,23 +17,31 @@ serves only callers that pass the gate, and calls only peers that pass it. A ref
 (once per peer), not by hivemind with a traceback. swarm/net/fence.py is the gate of an invite-only swarm.
 Every averager also refuses, and does not call, the groupmates that its peer banned
 (swarm/suspects.py, kept by swarm/patches/robust.py), in open and invite-only swarms alike: that
-keeps a banned peer out of this peer's groups and keeps this peer from downloading its state.
+keeps a banned peer out of this peer's groups and keeps this peer from downloading its state. A peer banned
+in the middle of a round is dropped from that round's senders as its parts are refused
+(swarm/patches/allreduce.py ``drop_sender``), or the reducer would wait ``sender_timeout`` for them; and this
+peer still sends its own parts to a banned groupmate's reducer in a round already formed
+(:func:`sending_to_banned`), or that reducer would wait for them, and every groupmate for its slice.
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
 
-from swarm.patches import robust
+from swarm.patches import allreduce, robust
 from swarm.patches._registry import Patch
 
 log = logging.getLogger(__name__)
 _GATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DHT -> gate; forked into each averager
 _PROCESS: tuple[Any, Any] | None = None  # (gate, DHT) in the process of an averager built on a guarded DHT
+_TO_BANNED = contextvars.ContextVar("swarm_sending_to_banned", default=False)
 
 
 class Refused(P2PHandlerError, PermissionError):
@@ -54,6 +62,24 @@ class Banned(Refused):
     """This peer banned the other for a while (swarm/suspects.py)."""
 
 
+def banned_here(peer_id: Any) -> bool:
+    """Whether this peer has banned ``peer_id`` (in any process that shares its suspects table)."""
+    table = robust.suspects()
+    return table is not None and table.banned_for(str(peer_id)) > 0
+
+
+@contextmanager
+def sending_to_banned() -> Iterator[None]:
+    """Within the block (the task that runs it, and what it awaits), this peer's ban does not stop a call to
+    a peer it banned; an invite-only swarm's gate still does. For this peer's parts of a round, sent to a
+    banned groupmate's reducer (swarm/patches/allreduce.py)."""
+    token = _TO_BANNED.set(True)
+    try:
+        yield
+    finally:
+        _TO_BANNED.reset(token)
+
+
 class _Banning:
     """The gate of an averager process: refuses the peers that this peer banned, then asks ``gate`` (an
     invite-only swarm's; None in an open swarm)."""
@@ -64,7 +90,7 @@ class _Banning:
 
     async def check(self, peer_id: Any, dht: Any, role: str) -> None:
         text = str(peer_id)
-        found = self._suspects.get(text)
+        found = None if _TO_BANNED.get() else self._suspects.get(text)
         if found is not None and found.banned_for > 0:
             why = (
                 f"peer {text} is banned by this peer for {found.banned_for:.0f} s more: its gradients were "
@@ -89,7 +115,12 @@ class _GuardedHandlers:
         method = getattr(self._averager, name)
 
         async def guarded(request: Any, context: Any) -> Any:
-            await self._gate.check(context.remote_id, self._dht, f"a {name} request")
+            try:
+                await self._gate.check(context.remote_id, self._dht, f"a {name} request")
+            except Banned:
+                if name == "rpc_aggregate_part":  # banned during a round whose group counts on its parts
+                    await allreduce.drop_sender(self._averager, context.remote_id)
+                raise
             async for message in method(request, context):
                 yield message
 

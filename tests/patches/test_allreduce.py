@@ -280,3 +280,174 @@ def test_a_reducer_starved_between_its_group_and_its_all_reduce_still_averages(n
     finally:
         for averager in pair:
             averager.shutdown()
+
+
+@pytest.mark.parametrize("drops", [False, True], ids=["awaited", "dropped"])
+def test_a_groupmate_banned_in_the_middle_of_a_round_is_dropped_as_a_sender_at_once(
+    nodes, drops, monkeypatch
+):
+    """Item 28. Peers A, B and X are in a round; A bans X after the round began and before X's parts came
+    (here X holds them back until its trigger, as a pre-scheduled round does). A's averager then refuses X's
+    parts (swarm/patches/rpc_guard.py), and hivemind's reducer awaited them until ``sender_timeout``: A's
+    round, and B's, which needs A's slice, ended only then (the attack bench's 3 honest / 2 attackers row:
+    rounds of 10 s, the demo's ``next_chunk_timeout``, right after an honest peer's bans). Dropped at the
+    refusal, they end at once. Either way A's slice holds the mean of A's and B's numbers alone. Each averager
+    is forked with its own peer's suspects table."""
+    from hivemind.averaging.control import AveragingStage
+
+    from swarm.patches import robust, traffic
+    from swarm.suspects import MIN_JUDGED, Suspects
+
+    sender_timeout = 6.0
+    size = 1_200_000  # large enough that each reduces a slice (hivemind gives a small vector to one reducer)
+    gen = torch.Generator().manual_seed(7)
+    a, b, x = (torch.randn(size, generator=gen) for _ in range(3))
+    if not drops:  # the averager processes fork with it
+
+        async def awaited(averager, peer_id):
+            return None
+
+        monkeypatch.setattr(allreduce, "drop_sender", awaited)
+    tables = [Suspects() for _ in range(3)]
+    group = []
+    try:
+        with hivemind_as(True, *ALL_BUT_ROBUST):
+            for node, vector, table in zip(nodes(3), [a, b, x], tables, strict=True):
+                monkeypatch.setattr(robust, "_suspects", table)  # forked into this averager's process
+                group.append(
+                    DecentralizedAverager(
+                        [vector.clone()],
+                        dht=node,
+                        prefix=f"pytest-banned-in-round-{drops}",
+                        target_group_size=3,
+                        min_matchmaking_time=MATCHMAKING,
+                        request_timeout=1.5,
+                        sender_timeout=sender_timeout,
+                        start=True,
+                    )
+                )
+        # each awaits its trigger once in the group; A first: from then on A's reducer awaits X's parts, and
+        # A's parts are on their way to X and B (sent once the bytes of some round go up: its calls to both
+        # were made before it sent anything)
+        controls = [averager.step(wait=False, timeout=60, require_trigger=True) for averager in group]
+        assert wait_until(
+            lambda: all(c.stage == AveragingStage.AWAITING_TRIGGER for c in controls),
+            timeout=MATCHMAKING + 10,
+            interval=0.01,
+        ), [c.stage for c in controls]
+        sent = traffic.bytes_sent()
+        controls[0].allow_allreduce()
+        triggered = time.monotonic()
+        assert wait_until(lambda: traffic.bytes_sent() > sent, timeout=30, interval=0.01)
+        for _ in range(MIN_JUDGED):  # A bans X (its table is shared with A's averager process)
+            tables[0].record(str(group[2].peer_id), 0.0)
+        assert tables[0].banned_for(str(group[2].peer_id)) > 0
+        controls[1].allow_allreduce()
+        controls[2].allow_allreduce()
+        assert wait_until(lambda: controls[0].done() and controls[1].done(), timeout=30, interval=0.01)
+        took = time.monotonic() - triggered
+        assert all(len(c.result()) == 3 for c in controls[:2]), [c.result() for c in controls[:2]]
+        held = []
+        for averager in group[:2]:
+            with averager.get_tensors() as (got,):
+                held.append(got.clone())
+    finally:
+        for averager in group:
+            averager.shutdown()
+
+    # A's reducer began to await its senders after its trigger: a wait of sender_timeout ends later than that
+    assert (took < sender_timeout) if drops else (took > sender_timeout), took
+    # A's slice: the mean of A and B (as B holds it too); every other number the mean of all three
+    candidates = torch.stack([(a + b) / 2, (a + b + x) / 3])
+    which = (held[0] - candidates).abs().argmin(dim=0)
+    own_slice = which == 0
+    assert size / 5 < own_slice.sum() < size / 2, own_slice.sum()
+    for got in held:
+        torch.testing.assert_close(got, candidates.gather(0, which[None])[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("sends", [False, True], ids=["refusing to call it", "sending its parts"])
+def test_a_peer_sends_its_parts_to_a_groupmate_it_banned_and_takes_nothing_back(nodes, sends, monkeypatch):
+    """Item 28. Peer B (which has banned nobody) assembles a group of A, B and X, where A has banned X; A
+    reduces no slice (bandwidth 0, as a peer that relies on its groupmates), so X never calls A and does not
+    learn of the ban. When A refused to call X, X's reducer waited ``sender_timeout`` for A's parts, and B as
+    long for X's slice (in the attack bench, X had called A's reducer just before A banned it). Sending them,
+    the round ends at once, and B's copy of X's slice counts A's numbers. A takes nothing from X: its copy of
+    X's slice keeps its own numbers."""
+    from hivemind.averaging.control import AveragingStage
+    from hivemind.utils import get_dht_time
+
+    from swarm.patches import robust, rpc_guard
+    from swarm.suspects import MIN_JUDGED, Suspects
+
+    sender_timeout = 6.0
+    size = 1_200_000  # large enough that B and X each reduce a slice
+    gen = torch.Generator().manual_seed(8)
+    a, b, x = (torch.randn(size, generator=gen) for _ in range(3))
+    first, leader, banned = nodes(3)
+    if not sends:  # the averager processes fork with it
+        monkeypatch.setattr(rpc_guard, "banned_here", lambda peer_id: False)
+    tables = [Suspects() for _ in range(3)]
+    for _ in range(MIN_JUDGED):
+        tables[0].record(str(banned.peer_id), 0.0)
+    group = []
+    try:
+        with hivemind_as(True, *ALL_BUT_ROBUST):
+            for node, vector, table in zip([first, leader, banned], [a, b, x], tables, strict=True):
+                monkeypatch.setattr(robust, "_suspects", table)  # forked into this averager's process
+                group.append(
+                    DecentralizedAverager(
+                        [vector.clone()],
+                        dht=node,
+                        prefix=f"pytest-parts-to-banned-{sends}",
+                        target_group_size=3,
+                        min_matchmaking_time=2.0,  # each declares its scheduled time (below)
+                        request_timeout=1.5,
+                        sender_timeout=sender_timeout,
+                        bandwidth=0.0 if node is first else None,
+                        start=True,
+                    )
+                )
+        # the earliest declared expiration leads: B; A and X join it (matchmaking.py, pop_next_leader), and
+        # the group closes once it holds all three; each then awaits its trigger
+        now = get_dht_time()
+        controls = [
+            averager.step(
+                wait=False,
+                scheduled_time=now + (8 if averager is group[1] else 14),
+                timeout=60,
+                require_trigger=True,
+            )
+            for averager in group
+        ]
+        assert wait_until(
+            lambda: all(c.stage == AveragingStage.AWAITING_TRIGGER for c in controls),
+            timeout=30,
+            interval=0.01,
+        ), [c.stage for c in controls]
+        triggered = time.monotonic()
+        for control in controls:
+            control.allow_allreduce()
+        assert wait_until(lambda: controls[0].done() and controls[1].done(), timeout=30, interval=0.01)
+        took = time.monotonic() - triggered
+        assert all(len(c.result()) == 3 for c in controls[:2]), [c.result() for c in controls[:2]]
+        held = []
+        for averager in group[:2]:
+            with averager.get_tensors() as (got,):
+                held.append(got.clone())
+    finally:
+        for averager in group:
+            averager.shutdown()
+
+    # X's reducer began to await its senders once triggered: a wait of sender_timeout ends later than that
+    assert (took < sender_timeout) if sends else (took > sender_timeout), took
+    # B's slice: the mean of all three, as both hold it; X's slice: A's own numbers in A's copy, and in B's
+    # the mean of all three if A sent its parts (else of B's and X's, after the wait)
+    everyone = (a + b + x) / 3
+    banned_slice = (held[0] - a).abs() < (held[0] - everyone).abs()
+    assert size / 5 < banned_slice.sum() < size * 4 / 5, banned_slice.sum()
+    torch.testing.assert_close(held[0][~banned_slice], everyone[~banned_slice], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(held[0][banned_slice], a[banned_slice])
+    torch.testing.assert_close(held[1][~banned_slice], everyone[~banned_slice], rtol=1e-5, atol=1e-6)
+    in_banned_slice = everyone if sends else (b + x) / 2
+    torch.testing.assert_close(held[1][banned_slice], in_banned_slice[banned_slice], rtol=1e-5, atol=1e-6)

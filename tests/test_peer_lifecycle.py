@@ -409,9 +409,11 @@ def test_a_socket_released_while_the_clean_up_looks_is_removed_by_it():
     sees the sockets its children released meanwhile. Here the child is killed right after a pass looked (its
     socket still bound then): the file is removed all the same. When the clean-up removed first and decided
     afterwards, a release between the two left the file behind (a fresh-clone suite failed the test above so,
-    the file there removed by nobody)."""
+    the file there removed by nobody). The clean-up here looks at files of its own name only: the clean-up
+    of a peer leaving beside it (another test's) removed this stale file first once, and this one found
+    nothing."""
     started = time.time()
-    path = f"/tmp/hivemind-p2ptest-race-{os.getpid()}.sock"
+    path = f"/tmp/swarm-racetest-{os.getpid()}.sock"
     leaver = subprocess.Popen(
         [sys.executable, "-c", _LEAVE_RACE.format(since=started, child=_HOLD.format(path=path, seconds=60),
                                                   path=path)],
@@ -461,6 +463,7 @@ def look_then_release(*args, **kwargs):
     return found
 
 procs.stale_sockets = look_then_release
+procs.SOCKET_GLOB = {path!r}  # this test's file only: no other clean-up on the machine looks at it
 removed = procs.remove_stale_sockets(since={since!r}, exclude_own=True, settle=3.0)
 print(removed, os.path.exists({path!r}))
 """

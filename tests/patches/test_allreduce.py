@@ -295,7 +295,7 @@ def test_a_groupmate_banned_in_the_middle_of_a_round_is_dropped_as_a_sender_at_o
     is forked with its own peer's suspects table."""
     from hivemind.averaging.control import AveragingStage
 
-    from swarm.patches import robust, traffic
+    from swarm.patches import traffic
     from swarm.suspects import MIN_JUDGED, Suspects
 
     sender_timeout = 6.0
@@ -311,21 +311,10 @@ def test_a_groupmate_banned_in_the_middle_of_a_round_is_dropped_as_a_sender_at_o
     tables = [Suspects() for _ in range(3)]
     group = []
     try:
-        with hivemind_as(True, *ALL_BUT_ROBUST):
-            for node, vector, table in zip(nodes(3), [a, b, x], tables, strict=True):
-                monkeypatch.setattr(robust, "_suspects", table)  # forked into this averager's process
-                group.append(
-                    DecentralizedAverager(
-                        [vector.clone()],
-                        dht=node,
-                        prefix=f"pytest-banned-in-round-{drops}",
-                        target_group_size=3,
-                        min_matchmaking_time=MATCHMAKING,
-                        request_timeout=1.5,
-                        sender_timeout=sender_timeout,
-                        start=True,
-                    )
-                )
+        _fork_with_own_suspects(
+            group, nodes(3), [a, b, x], tables, f"pytest-banned-in-round-{drops}", monkeypatch,
+            min_matchmaking_time=MATCHMAKING, sender_timeout=sender_timeout,
+        )  # fmt: skip
         # each awaits its trigger once in the group; A first: from then on A's reducer awaits X's parts, and
         # A's parts are on their way to X and B (sent once the bytes of some round go up: its calls to both
         # were made before it sent anything)
@@ -344,13 +333,7 @@ def test_a_groupmate_banned_in_the_middle_of_a_round_is_dropped_as_a_sender_at_o
         assert tables[0].banned_for(str(group[2].peer_id)) > 0
         controls[1].allow_allreduce()
         controls[2].allow_allreduce()
-        assert wait_until(lambda: controls[0].done() and controls[1].done(), timeout=30, interval=0.01)
-        took = time.monotonic() - triggered
-        assert all(len(c.result()) == 3 for c in controls[:2]), [c.result() for c in controls[:2]]
-        held = []
-        for averager in group[:2]:
-            with averager.get_tensors() as (got,):
-                held.append(got.clone())
+        took, held = _first_two_ended(group, controls, since=triggered)
     finally:
         for averager in group:
             averager.shutdown()
@@ -377,7 +360,7 @@ def test_a_peer_sends_its_parts_to_a_groupmate_it_banned_and_takes_nothing_back(
     from hivemind.averaging.control import AveragingStage
     from hivemind.utils import get_dht_time
 
-    from swarm.patches import robust, rpc_guard
+    from swarm.patches import rpc_guard
     from swarm.suspects import MIN_JUDGED, Suspects
 
     sender_timeout = 6.0
@@ -392,22 +375,11 @@ def test_a_peer_sends_its_parts_to_a_groupmate_it_banned_and_takes_nothing_back(
         tables[0].record(str(banned.peer_id), 0.0)
     group = []
     try:
-        with hivemind_as(True, *ALL_BUT_ROBUST):
-            for node, vector, table in zip([first, leader, banned], [a, b, x], tables, strict=True):
-                monkeypatch.setattr(robust, "_suspects", table)  # forked into this averager's process
-                group.append(
-                    DecentralizedAverager(
-                        [vector.clone()],
-                        dht=node,
-                        prefix=f"pytest-parts-to-banned-{sends}",
-                        target_group_size=3,
-                        min_matchmaking_time=2.0,  # each declares its scheduled time (below)
-                        request_timeout=1.5,
-                        sender_timeout=sender_timeout,
-                        bandwidth=0.0 if node is first else None,
-                        start=True,
-                    )
-                )
+        # A reduces nothing; each declares its scheduled time (below), not 2 s from its step
+        _fork_with_own_suspects(
+            group, [first, leader, banned], [a, b, x], tables, f"pytest-parts-to-banned-{sends}", monkeypatch,
+            min_matchmaking_time=2.0, sender_timeout=sender_timeout, bandwidths=[0.0, None, None],
+        )  # fmt: skip
         # the earliest declared expiration leads: B; A and X join it (matchmaking.py, pop_next_leader), and
         # the group closes once it holds all three; each then awaits its trigger
         now = get_dht_time()
@@ -428,13 +400,7 @@ def test_a_peer_sends_its_parts_to_a_groupmate_it_banned_and_takes_nothing_back(
         triggered = time.monotonic()
         for control in controls:
             control.allow_allreduce()
-        assert wait_until(lambda: controls[0].done() and controls[1].done(), timeout=30, interval=0.01)
-        took = time.monotonic() - triggered
-        assert all(len(c.result()) == 3 for c in controls[:2]), [c.result() for c in controls[:2]]
-        held = []
-        for averager in group[:2]:
-            with averager.get_tensors() as (got,):
-                held.append(got.clone())
+        took, held = _first_two_ended(group, controls, since=triggered)
     finally:
         for averager in group:
             averager.shutdown()
@@ -451,3 +417,49 @@ def test_a_peer_sends_its_parts_to_a_groupmate_it_banned_and_takes_nothing_back(
     torch.testing.assert_close(held[1][~banned_slice], everyone[~banned_slice], rtol=1e-5, atol=1e-6)
     in_banned_slice = everyone if sends else (b + x) / 2
     torch.testing.assert_close(held[1][banned_slice], in_banned_slice[banned_slice], rtol=1e-5, atol=1e-6)
+
+
+def _fork_with_own_suspects(
+    group: list,
+    nodes: list,
+    vectors: list,
+    tables: list,
+    prefix: str,
+    monkeypatch,
+    bandwidths=None,
+    **options,
+) -> None:
+    """Append to ``group`` a DecentralizedAverager of each vector on each node (groups of 3), each forked with
+    its own peer's suspects table (``tables``), every process-wide change but the robust reducer installed."""
+    from swarm.patches import robust
+
+    with hivemind_as(True, *ALL_BUT_ROBUST):
+        for node, vector, table, bandwidth in zip(
+            nodes, vectors, tables, bandwidths or [None] * len(nodes), strict=True
+        ):
+            monkeypatch.setattr(robust, "_suspects", table)  # forked into this averager's process
+            group.append(
+                DecentralizedAverager(
+                    [vector.clone()],
+                    dht=node,
+                    prefix=prefix,
+                    target_group_size=3,
+                    request_timeout=1.5,
+                    bandwidth=bandwidth,
+                    start=True,
+                    **options,
+                )
+            )
+
+
+def _first_two_ended(group: list, controls: list, since: float) -> tuple[float, list[torch.Tensor]]:
+    """Once the round of the first two averagers has ended (in a group of 3): the seconds since ``since``,
+    and what each of them holds."""
+    assert wait_until(lambda: controls[0].done() and controls[1].done(), timeout=30, interval=0.01)
+    took = time.monotonic() - since
+    assert all(len(c.result()) == 3 for c in controls[:2]), [c.result() for c in controls[:2]]
+    held = []
+    for averager in group[:2]:
+        with averager.get_tensors() as (got,):
+            held.append(got.clone())
+    return took, held

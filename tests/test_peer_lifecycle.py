@@ -369,8 +369,9 @@ def test_a_leaving_process_waits_for_its_own_childrens_sockets_not_for_other_pee
     children, which a p2p daemon being stopped releases a moment later. A newer socket of another process (a
     peer beside it on the machine) is no reason to wait: before, every leaving peer of a demo or a test
     waited the whole 3 s for its neighbours' sockets. Here the clean-up may look for 6 s: it must stop well
-    before, once its child's socket is released (each look at the machine's sockets takes a while on a loaded
-    machine: a fresh-clone suite once saw the child's socket released 1.15 s after its 2 s)."""
+    before, once its child's socket is released. The leaving process runs in a session of its own: in the
+    test worker's process group, whose other processes (other tests' nodes) bind new sockets, it waited the
+    whole settle in two fresh-clone suites."""
     started = time.time()
     tag = f"/tmp/hivemind-p2ptest-leave-{os.getpid()}"
     stranger = subprocess.Popen(  # not a child of the leaving process below
@@ -385,6 +386,7 @@ def test_a_leaving_process_waits_for_its_own_childrens_sockets_not_for_other_pee
         [sys.executable, "-c", _LEAVE.format(since=started, child=child, settle=LEAVE_SETTLE)],
         stdout=subprocess.PIPE,
         text=True,
+        start_new_session=True,  # its process group is its own, as a peer's: not this test worker's
     )
     try:
         waited, removed = (float(x) for x in leaver.communicate(timeout=60)[0].split())
@@ -435,7 +437,7 @@ _HOLD = (
     "print('bound', flush=True); time.sleep({seconds})"
 )
 # a process that starts a child holding a socket, then cleans up as a leaving peer does; its settle is longer
-# than a leaving peer's 3 s, so that a loaded machine's slow looks still end well before it
+# than a leaving peer's 3 s, so that the end of its wait for the child (2 s) lies well clear of it
 LEAVE_SETTLE = 6.0
 _LEAVE = """
 import subprocess, sys, time

@@ -248,10 +248,10 @@ def _reducer_class(counter: Any) -> type:
             if names is None or own is None or own not in names or names.index(own) not in senders:
                 return
             mine = parts[senders.index(names.index(own))]
-            norm = float(torch.linalg.vector_norm(mine))
-            if norm <= 0:
+            norm, share = float(torch.linalg.vector_norm(mine)), _shares(weights)
+            if norm <= 0 or share is None:
                 return
-            distances = torch.linalg.vector_norm(parts - mine, dim=1) / norm * _shares(weights).sqrt()
+            distances = torch.linalg.vector_norm(parts - mine, dim=1) / norm * share.sqrt()
             for sender, distance in zip(senders, distances.tolist(), strict=True):
                 total, count = self.sender_far.get(sender, (0.0, 0))
                 self.sender_far[sender] = (total + distance, count + 1)

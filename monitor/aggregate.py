@@ -2,10 +2,10 @@
 
 Each peer overwrites its own DHT record once per global epoch, so a record is visible only until the
 peer's next epoch. The monitor polls every few seconds and files every record it sees under its epoch.
-Epoch E is written once it is complete: when every live peer has reported E (or later) and ``settle_time``
-seconds have passed since E was first seen, or when the swarm is at E+2, or at E+1 for ``settle_time``
-seconds (a lagging peer does not hold the log back). Late records, e.g. from a peer that was validating,
-still count within that window.
+Epoch E is written once it is complete: when every live peer (if any is left) has reported E (or later)
+and ``settle_time`` seconds have passed since E was first seen, or when the swarm is at E+2, or at E+1 for
+``settle_time`` seconds (a lagging peer does not hold the log back). Late records, e.g. from a peer that was
+validating, still count within that window.
 """
 
 from __future__ import annotations
@@ -144,7 +144,9 @@ class EpochAggregator:
         if self.newest_epoch >= epoch + 2:
             return True
         waited = closing or now - self.seen_at.get(epoch, now) >= self.settle_time
-        everyone = bool(self.latest) and all(e >= epoch for e in self.latest.values())
+        # every live peer: once the peers have left (their records vanish with them, right after a final
+        # epoch's records were read), nobody is left to wait for
+        everyone = all(e >= epoch for e in self.latest.values())
         moved_on = self.newest_epoch >= epoch + 1 and (closing or now - self.newest_since >= self.settle_time)
         return (everyone and waited) or moved_on
 

@@ -108,6 +108,21 @@ def test_closing_releases_finished_epochs_only():
     assert [p.epoch for p in agg.ready(now=1.0, closing=True)] == [6]  # 7 is still incomplete
 
 
+def test_the_last_epoch_is_written_after_every_peer_has_left():
+    """Peers at max_epochs leave as soon as a monitor has read their records of the final epoch, and their
+    records vanish with them: that epoch is still written once it settled, and at the latest when the
+    monitor stops."""
+    for closing in (False, True):
+        agg = EpochAggregator(settle_time=3.0)
+        agg.add({b"a": rec("a", 54), b"b": rec("b", 54)}, now=0.0)
+        agg.add({b"a": rec("a", 55, final=True), b"b": rec("b", 55, final=True)}, now=1.0)
+        assert [p.epoch for p in agg.ready(now=3.2)] == [54]  # 55 has not settled yet
+        assert agg.filed_epoch == 55  # the monitor says so, and the peers leave
+        agg.add({}, now=3.5)  # their records are gone
+        points = agg.ready(now=3.6, closing=True) if closing else agg.ready(now=4.5)
+        assert [(p.epoch, p.peers) for p in points] == [(55, 2)]
+
+
 def test_board_appends_after_a_restart_without_repeating_steps(tmp_path):
     cfg = build_config("demo")
     board = Board(tmp_path)

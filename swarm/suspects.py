@@ -23,8 +23,18 @@ time, between rounds at 1: the average of a peer's last five judged scales (four
 0.66 in 5 runs (~4,200 judged rounds). An attacker is far from the others round after round: in `bench
 --scenario attack` each honest peer banned a gradient times -8 or -4 among 3 peers after 4-8 judged rounds.
 
-State rounds are not judged here: a peer that stepped alone for a few epochs differs from a group in step,
-and the robust rule then counts it as clipped although it is honest.
+State rounds are not judged by scale: a peer that stepped alone for a few epochs differs from a group in
+step, and the robust rule then counts it as clipped although it is honest. They are judged by distance:
+
+- **a state that shares nothing with this peer's** (swarm/patches/robust.py): in a state
+  round of three or more senders where at least one groupmate's state lies near this peer's own (so that this
+  peer's own state is the swarm's, not one gone astray), a reducer notes each sender whose state lay further
+  than ``STATE_FAR`` (1.0) times its own state's norm from it (:meth:`Suspects.noted_state`). Random numbers
+  of each tensor's own norm lie about 1.41 times away, a model with its signs flipped 2 times; honest peers
+  at one global epoch hold nearly the same state (a peer that stepped alone for some epochs: 0.01-0.3 times
+  away, docs/benchmarks.md). ``FAR_STATES`` such rounds in a row ban the sender, as above. Only where peers
+  are meant to hold one state (gradient averaging): DiLoCo's state rounds carry each peer's own inner
+  optimizer moments, which differ honestly, and are not judged.
 
 - **far, in a round the screen rejects**: a robust rule outvotes a minority only; two colluders in a group of
   three (or two of four) make the round's result theirs, and a reducer then judges them close (its own part
@@ -61,6 +71,8 @@ MIN_JUDGED = 4  # judged rounds (since it was first seen or last banned) before 
 BAN_BELOW = 0.5  # the average scale of its last WINDOW judged rounds that bans it
 BAN_SECONDS = 300.0  # the first ban; each later one of the same peer lasts twice as long as the one before
 MAX_BAN_SECONDS = 3600.0
+STATE_FAR = 1.0  # a state further than this many times this peer's own state's norm from it: far
+FAR_STATES = 3  # state rounds in a row in which a groupmate's state lay far from this peer's: a ban
 SLOTS = 256
 _PEER_BYTES = 64  # a PeerID in base58 has 46-53 characters
 
@@ -78,6 +90,8 @@ class _Slot(ctypes.Structure):
         ("first_banned", ctypes.c_double),  # when it was first banned (time.time()); 0 if never
         ("ban_scale", ctypes.c_double),  # the average scale that got it banned the last time
         ("far", ctypes.c_int64),  # rounds whose parts it sent lay far from this peer's own (noted_far)
+        ("far_states", ctypes.c_int64),  # state rounds in a row in which its state lay far (noted_state)
+        ("ban_gap", ctypes.c_double),  # its state's distance (over this peer's norm) when a state ban came
     ]
 
 
@@ -93,6 +107,7 @@ class Suspect:
     banned_for: float  # seconds left of its ban; 0 if not banned
     first_banned: float  # when this peer first banned it (seconds since the epoch); 0 if never
     ban_scale: float  # the average scale of its last judged rounds when it was last banned; 1 if never
+    ban_gap: float = 0.0  # if its last ban came from state rounds: its state's distance from this peer's
 
 
 class Suspects:
@@ -138,11 +153,30 @@ class Suspects:
             slot.seen = now
             if slot.banned_until > now or slot.filled < MIN_JUDGED or _recent_scale(slot) >= BAN_BELOW:
                 return False
-            slot.banned_until = now + min(MAX_BAN_SECONDS, BAN_SECONDS * 2**slot.bans)
-            slot.bans += 1
-            slot.first_banned = slot.first_banned or time.time()
-            slot.ban_scale = _recent_scale(slot)
-            slot.filled = 0  # judged afresh after the ban
+            _ban(slot, now, _recent_scale(slot), gap=0.0)
+            return True
+
+    def noted_state(self, peer: str, gap: float, now: float | None = None) -> bool:
+        """Count a state round in which ``peer``'s state lay ``gap`` times this peer's own state's norm from
+        it (swarm/patches/robust.py judges only rounds in which another groupmate's state lay near this
+        peer's); True if this round got it banned: ``FAR_STATES`` rounds in a row further than
+        ``STATE_FAR``."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            slot = self._find(_key(peer), True, now)
+            if slot is None:
+                return False
+            slot.seen = now
+            if not (gap > STATE_FAR or not math.isfinite(gap)):
+                slot.far_states = 0
+                return False
+            slot.rounds += 1
+            slot.clipped += 1
+            slot.far_states += 1
+            if slot.banned_until > now or slot.far_states < FAR_STATES:
+                return False
+            _ban(slot, now, 0.0, gap=gap)
+            slot.far_states = 0
             return True
 
     def get(self, peer: str, now: float | None = None) -> Suspect | None:
@@ -186,6 +220,14 @@ class Suspects:
             ctypes.memset(ctypes.addressof(self._slots), 0, ctypes.sizeof(self._slots))
 
 
+def _ban(slot: _Slot, now: float, scale: float, gap: float) -> None:
+    slot.banned_until = now + min(MAX_BAN_SECONDS, BAN_SECONDS * 2**slot.bans)
+    slot.bans += 1
+    slot.first_banned = slot.first_banned or time.time()
+    slot.ban_scale, slot.ban_gap = scale, gap
+    slot.filled = 0  # judged afresh after the ban
+
+
 def _suspect(slot: _Slot, now: float) -> Suspect:
     return Suspect(
         peer=slot.peer.decode(),
@@ -196,6 +238,7 @@ def _suspect(slot: _Slot, now: float) -> Suspect:
         banned_for=max(0.0, slot.banned_until - now),
         first_banned=slot.first_banned,
         ban_scale=slot.ban_scale if slot.bans else 1.0,
+        ban_gap=slot.ban_gap if slot.bans else 0.0,
     )
 
 
@@ -210,6 +253,12 @@ def _key(peer: str) -> bytes:
 
 def why_banned(suspect: Suspect) -> str:
     """One line: why this peer keeps ``suspect`` out of its groups."""
+    if suspect.ban_gap:
+        return (
+            f"its state in state rounds shared nothing with this peer's, which other groupmates held "
+            f"({FAR_STATES} rounds in a row; the last {suspect.ban_gap:.2f} times this peer's norm away) "
+            f"(ban {suspect.bans}, {suspect.banned_for:.0f} s left)"
+        )
     return (
         f"its gradient was far from its groupmates' round after round (scaled to {suspect.ban_scale:.2f} on "
         f"average over its last judged rounds; {suspect.clipped} of {suspect.rounds} rounds clipped) "

@@ -54,6 +54,28 @@ def test_an_all_zero_part_is_judged_by_finiteness_alone_and_a_rejected_state_tea
     assert RoundScreen(0.0).judge_state(_state(50, 1.0), _state(5e9, 1e9), ROLES) is None
 
 
+def test_an_averaged_state_far_from_this_peers_parameters_is_rejected_but_not_a_download():
+    """Two colluders in a state round of three make its robust result theirs: random parameters of an honest
+    norm lie about 1.41 times that norm from this peer's. Peers at one global epoch hold nearly one state
+    (a peer that stepped alone for a few epochs: a few hundredths of the norm away), so the screen rejects
+    averaged parameters more than STATE_RADIUS (1) away; moments are not judged so (honest DiLoCo peers'
+    differ), nor is a download (a newcomer's own parameters are not the swarm's)."""
+    from swarm.averaging.screen import STATE_RADIUS
+
+    gen = torch.Generator().manual_seed(2)
+    mine = [torch.randn(10_000, generator=gen), torch.rand(10_000, generator=gen)]
+    noise = torch.randn(10_000, generator=gen)
+    colluders = [noise * mine[0].norm() / noise.norm(), mine[1]]
+    stepped = [mine[0] + 0.03 * torch.randn(10_000, generator=gen), 5 * torch.rand(10_000, generator=gen)]
+    screen = RoundScreen(10.0)
+    assert screen.judge_state(mine, stepped, ROLES) is None
+    reason = screen.judge_state(mine, colluders, ROLES)
+    assert reason is not None and "the averaged parameters lie 1.4" in reason, reason
+    assert f"the limit is {STATE_RADIUS:g}" in reason and screen.rejected_state_rounds == 1
+    assert screen.judge_state(mine, colluders, ROLES, kind="download") is None
+    assert RoundScreen(0.0).judge_state(mine, colluders, ROLES) is None  # the screen off
+
+
 def _pair_round(noise: float, flip: float, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(this peer's gradient, the mean of a round of two with equal samples) where the other peer sends its
     own honest gradient times ``flip``; both estimate one true gradient of norm 1, off by ``noise`` times."""

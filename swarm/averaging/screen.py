@@ -20,6 +20,14 @@ times
   both rejected it at 10x and went on apart). An attacker's ``exp_avg_sq`` after 10,000x gradients is 10^8
   times larger. The median matters for moments that this peer has only begun to build.
 
+- **a state averaging round's distance**: the averaged parameters must also lie within ``STATE_RADIUS``
+  (0.5) times the norm of this peer's own parameters from them. Peers at one global epoch hold nearly one
+  state (in the attack bench's runs, honest groupmates' parameters lay at most 0.024 of their norm apart
+  until an attack mixed them); random parameters of an honest norm lie 1.41 away, two colluders in a group
+  of three make the robust result theirs, and two in a group of four leave it about half-way (at a limit of
+  1 such rounds passed and took honest peers to val acc 0.52 within 3 epochs). A download is not judged
+  so: a newcomer's parameters are not the swarm's (swarm/averaging/donors.py checks downloads).
+
 - **a state download** (hivemind.Optimizer downloads the newest peer's state whenever this peer falls
   behind): judged like a state averaging round, against the state this peer held before.
 
@@ -73,6 +81,7 @@ def total_norm(tensors: Sequence[torch.Tensor]) -> float:
 
 PAIR_SUSPECT = 2.0  # a round of two this many times the reference away scores the other SUSPECT_SCALE
 RADIUS = 3.0  # every gradient round: the average within this many times the reference of this peer's gradient
+STATE_RADIUS = 0.5  # a state round's averaged parameters within this many times the own ones' norm of them
 
 
 def _distance(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
@@ -234,6 +243,14 @@ class RoundScreen:
                 f"the {what} {role} have norm {size:.3g}, {size / reference:.0f}x this peer's reference "
                 f"{reference:.3g} (its own {own:.3g}; the limit is {limit:g}x)"
             ), size
+        if what == "averaged" and role == "parameters" and own > 0 and self.factor > 0:
+            away = _distance(mine, theirs) / own
+            if away > STATE_RADIUS:
+                return (
+                    f"the averaged parameters lie {away:.2f} times their own norm from this peer's (the "
+                    f"limit is {STATE_RADIUS:g}: peers at one global epoch hold nearly one state; most "
+                    f"likely groupmates that are half of the group or more sent other parameters)"
+                ), size
         return None, size
 
     def _rejected(self, kind: str, reason: str) -> str:

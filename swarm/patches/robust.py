@@ -31,6 +31,10 @@ far apart). Clipped, two parts of five far outside pulled the result by up to 0.
 With two senders it is always the weighted mean: a robust rule cannot outvote one of two. Where most parts are
 equal (the parameters of peers in step, in a state round), it is their value.
 
+**Who is attacking.** The reducer also judges senders (swarm/suspects.py): in a gradient averager's
+process by the scale the rule gave their parts; in a state averager's process where the peers hold one
+state, by the distance of their parameters' parts from this peer's own (:func:`judge_states_here`).
+
 The reducer runs in the averager processes, which inherit :data:`RULE` when they fork: :func:`use` sets it
 ("centered_clip", the default, or "mean", hivemind's own) before the averagers start.
 """
@@ -38,6 +42,7 @@ The reducer runs in the averager processes, which inherit :data:`RULE` when they
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing as mp
 from typing import Any
 
@@ -45,8 +50,9 @@ import torch
 
 from swarm.config import AGGREGATION as RULES
 from swarm.patches._registry import Patch
-from swarm.suspects import SUSPECT_SCALE, Suspects
+from swarm.suspects import STATE_FAR, SUSPECT_SCALE, Suspects
 
+log = logging.getLogger(__name__)
 RULE = "centered_clip"  # read by the reducers of averager processes forked after use()
 TAU_FACTOR = 1.5  # tau: this many times the median distance of the parts to their coordinate-wise median
 WEIGHT_CAP = 1.0  # no sender's weight counts for more than this many times the round's median weight
@@ -58,6 +64,7 @@ CUT_NUMBERS = 1000  # in a slice of at least this many numbers (where honest par
 _clipped: Any = None  # mp.Value: senders' parts scaled down by this process's averagers (forked: shared)
 _suspects: Any = None  # swarm.suspects.Suspects, shared by the averager processes forked after install
 _SCORING = False  # True in a gradient averager's process: its reducers judge senders (score_senders_here)
+_STATES = False  # True in a state averager's process where peers hold one state (judge_states_here)
 
 
 def use(rule: str) -> None:
@@ -184,6 +191,9 @@ def _reducer_class(counter: Any) -> type:
             # per sender index: (sum over its parts of their distance from this peer's own part, over the own
             # part's norm; parts), where 3 or more sent
             self.__dict__.setdefault("sender_far", {})
+            # per sender index, in a state round: (its parts' squared distance from this peer's own parts,
+            # the own parts' squared norm), summed over the round, where 3 or more sent
+            self.__dict__.setdefault("state_gaps", {})
             super().reset_accumulators()
 
         async def accumulate_part(
@@ -234,8 +244,12 @@ def _reducer_class(counter: Any) -> type:
                     for (_, _, sender), factor in zip(kept, judged, strict=True):
                         total, count = self.sender_scales.get(sender, (0.0, 0))
                         self.sender_scales[sender] = (total + factor, count + 1)
-                    if _SCORING:  # only a gradient averager's senders are judged
+                    if _SCORING:  # a gradient averager's senders are judged by scale
                         self._measure_from_own(parts, weights, [sender for _, _, sender in kept])
+                if len(kept) >= 3 and _STATES and self._a_parameter(self.current_part_index):
+                    # a state averager's senders, by distance (parameters only: optimizer statistics differ
+                    # by much more after a peer stepped alone for a few epochs)
+                    self._measure_state_gaps(parts, [sender for _, _, sender in kept])
                 result = flat.reshape(shape)
             self.current_part_future.set_result(result)
             self.reset_accumulators()
@@ -256,9 +270,28 @@ def _reducer_class(counter: Any) -> type:
                 total, count = self.sender_far.get(sender, (0.0, 0))
                 self.sender_far[sender] = (total + distance, count + 1)
 
+        def _a_parameter(self, part_index: int) -> bool:
+            from hivemind.compression import TensorRole
+
+            roles = self.__dict__.get("part_roles")
+            return roles is not None and part_index < len(roles) and roles[part_index] == TensorRole.PARAMETER
+
+        def _measure_state_gaps(self, parts: torch.Tensor, senders: list[int]) -> None:
+            """Each sender's squared distance from this peer's own part, and the own part's squared norm."""
+            names, own = self.__dict__.get("sender_peer_ids"), self.__dict__.get("own_peer_id")
+            if names is None or own is None or own not in names or names.index(own) not in senders:
+                return
+            mine = parts[senders.index(names.index(own))]
+            squares = torch.linalg.vector_norm(parts - mine, dim=1).square().tolist()
+            norm = float(torch.linalg.vector_norm(mine).square())
+            for sender, square in zip(senders, squares, strict=True):
+                gap, total = self.state_gaps.get(sender, (0.0, 0.0))
+                self.state_gaps[sender] = (gap + square, total + norm)
+
         def finalize(self) -> None:
             if not self.finished.is_set():
                 _judge_senders(self)
+                _judge_states(self)
             super().finalize()
 
     RobustPartReducer.__name__ = RobustPartReducer.__qualname__ = "TensorPartReducer"
@@ -270,6 +303,43 @@ def score_senders_here() -> None:
     (swarm/suspects.py). State rounds are not judged."""
     global _SCORING
     _SCORING = True
+
+
+def judge_states_here() -> None:
+    """Called in a state averager's process as it starts, where the peers are meant to hold one state
+    (gradient averaging): its reducers judge the senders' states by their distance from this peer's own
+    (swarm/suspects.py)."""
+    global _STATES
+    _STATES = True
+
+
+def state_gaps(reducer: Any) -> dict[str, float]:
+    """After a state round: each groupmate's distance from this peer's own state over the slice this peer
+    reduced, over the own slice's norm (by base58 PeerID; empty where fewer than 3 sent)."""
+    gaps, senders = reducer.__dict__.get("state_gaps"), reducer.__dict__.get("sender_peer_ids")
+    if not gaps or not senders:
+        return {}
+    out = {}
+    for index, (square, total) in gaps.items():
+        if senders[index] != reducer.own_peer_id:
+            gap = (square / total) ** 0.5 if total > 0 else (float("inf") if square > 0 else 0.0)
+            out[str(senders[index])] = gap
+    return out
+
+
+def _judge_states(reducer: Any) -> None:
+    """After a state round: each groupmate whose state lay further than ``STATE_FAR`` times this peer's own
+    state's norm from it gets a far state round; the others' run of far rounds ends. Only if some groupmate's
+    state lay near this peer's: a peer whose own state went astray judges nobody."""
+    if not (_STATES and _suspects is not None):
+        return
+    gaps = state_gaps(reducer)
+    log.debug("State round: groupmates' distances from this peer's state %s", gaps)
+    if not any(gap <= STATE_FAR for gap in gaps.values()):
+        return
+    for peer, gap in gaps.items():
+        if _suspects.noted_state(peer, gap):
+            log.debug("Banned %s: its state lay %.2f times this peer's norm away", peer, gap)
 
 
 def _judge_senders(reducer: Any) -> None:
@@ -308,6 +378,10 @@ def _targets() -> list[tuple[Any, str, Any]]:
         init(self, *args, **kwargs)
         reducer = self.tensor_part_reducer
         reducer.sender_peer_ids, reducer.own_peer_id = list(self.sender_peer_ids), self.peer_id
+        # the role of each part this peer reduces (a parameter, an optimizer statistic, ...): hivemind splits
+        # every peer's tensors alike, and this peer's own parts are the ones it reduces (partition.py:73-95)
+        own = self.tensor_part_container._input_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)]
+        reducer.part_roles = [info.role for _, info in own]
 
     return [
         (allreduce, "TensorPartReducer", _reducer_class(_clipped)),

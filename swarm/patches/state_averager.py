@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from swarm.patches import robust
 from swarm.patches._registry import Patch
 from swarm.patches.allreduce import PacksParts
 
@@ -163,6 +164,13 @@ class _SettledState:
         self.round_filter: Any = None  # the bad_state fault: changes the parameters this peer sends in rounds
         self._swarm_only_donor: bytes | None = None  # item 23, in the averager process: the one donor to ask
         super().__init__(*args, **kwargs)  # starts the thread that serves the state
+
+    def run(self: Any) -> None:
+        # the averager's own process: where the peers are meant to hold one state (no extra tensors: those
+        # carry DiLoCo's inner moments, each peer's own), its reducers judge the senders' states
+        if not self.extra_tensors:
+            robust.judge_states_here()
+        super().run()
 
     async def _step(self: Any, *, step: Any, **kwargs: Any) -> Any:
         """hivemind's averaging step, in the averager process, with its matchmaking deadline shortened to

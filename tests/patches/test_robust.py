@@ -257,3 +257,136 @@ def test_groupmates_far_from_this_peer_in_a_round_the_screen_rejects_are_judged(
     screen.judge_gradients([-8 * honest], [mine], group_size=3)  # rejected, and nobody noted far in it
     _judge_far(group, own, screen, True, seen)
     assert table.get(colluders[0]).rounds == 0 and table.get(colluders[1]) is None
+
+
+def test_a_state_that_shares_nothing_with_this_peers_is_banned_after_far_states_rounds(monkeypatch):
+    """A state averager's reducer (swarm/patches/robust.py, as ``judge_states_here`` sets it in the averager's
+    process), fed one slice by three senders: this peer's state, a groupmate's that stepped alone for a while
+    (within a few hundredths of the norm), and random numbers of the same norm (about 1.41 times the norm
+    away). The random sender gets a far state round each round and is banned after FAR_STATES in a row; the
+    honest groupmate never. A near round ends a run of far ones. A peer whose own state went astray (the two
+    others hold one state, far from its own) judges nobody. Only parameters are measured: a peer's optimizer
+    statistics differ from its groupmates' by much more than its parameters after it stepped alone."""
+    import asyncio
+
+    from hivemind.compression import TensorRole
+
+    table = suspects.Suspects()
+    monkeypatch.setattr(robust, "_STATES", True)
+    monkeypatch.setattr(robust, "_suspects", table)
+    monkeypatch.setattr(robust, "RULE", "centered_clip")
+    gen = torch.Generator().manual_seed(11)
+    mine = torch.randn(10_000, generator=gen)
+    stepped = mine + 0.03 * torch.randn(10_000, generator=gen)
+    reducer_class = robust._reducer_class(None)
+
+    def reduce(parts: list[torch.Tensor], role: TensorRole = TensorRole.PARAMETER) -> dict[str, float]:
+        async def run():
+            reducer = reducer_class([mine.shape], 3)
+            reducer.sender_peer_ids, reducer.own_peer_id = ["own", "honest", "random"], "own"
+            reducer.part_roles = [role]
+            await asyncio.gather(*(reducer.accumulate_part(i, 0, p, 1.0) for i, p in enumerate(parts)))
+            assert reducer.finished.is_set()
+            return robust.state_gaps(reducer)
+
+        return asyncio.run(run())
+
+    def random_state() -> torch.Tensor:
+        noise = torch.randn(10_000, generator=gen)
+        return noise * mine.norm() / noise.norm()
+
+    assert reduce([mine, stepped, random_state()], TensorRole.OPTIMIZER) == {}  # statistics: not measured
+    assert table.get("random") is None
+    gaps = reduce([mine, stepped, random_state()])
+    assert gaps["honest"] < 0.05 and 1.3 < gaps["random"] < 1.5, gaps
+    reduce([mine, stepped, stepped])  # a near round: the run of far rounds starts again
+    assert table.get("random").clipped == 1 and table.banned_for("random") == 0
+    for _ in range(suspects.FAR_STATES):
+        assert table.banned_for("random") == 0
+        reduce([mine, stepped, random_state()])
+    found = table.get("random")
+    assert table.banned_for("random") > 0 and found.ban_gap > suspects.STATE_FAR, found
+    assert "state rounds" in suspects.why_banned(found)
+    assert table.get("honest").clipped == 0 and table.banned_for("honest") == 0
+
+    table.clear()
+    astray = random_state()
+    for _ in range(suspects.FAR_STATES + 1):
+        gaps = reduce([astray, stepped, stepped])  # this peer's own state is the odd one
+        assert min(gaps.values()) > suspects.STATE_FAR, gaps
+    assert table.get("honest") is None and table.get("random") is None
+
+
+def test_a_peer_that_sends_random_parameters_in_state_rounds_is_banned_and_left_out(nodes):
+    """swarm/suspects.py's state rule on real state averagers (the swarm's class, whose process judges states
+    where there are no extra tensors): two honest peers that hold one state and one that sends random
+    numbers of the same norm in every state round. The honest reducers note it far each round; after
+    FAR_STATES such notes (the three averagers share one table, as a peer's own averagers do: two judges a
+    round) it is banned. While it takes part, every member ends a round with the honest state (the rule's
+    result where most parts are equal); once banned, the honest peers average in a group of two without it
+    (their reducers note it no more)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.patches.common import _state_averagers
+
+    torch.manual_seed(3)
+    nets = [torch.nn.Linear(1000, 1200) for _ in range(3)]  # large enough that each reduces a slice
+    with torch.no_grad():
+        for p, q in zip(nets[1].parameters(), nets[0].parameters(), strict=True):
+            p.copy_(q)
+    honest_state = [p.detach().clone() for p in nets[0].parameters()]
+
+    def randomize() -> list[torch.Tensor]:
+        with torch.no_grad():
+            for p in nets[2].parameters():
+                noise = torch.randn_like(p)
+                p.copy_(noise * p.norm() / noise.norm())
+        return [p.detach().clone() for p in nets[2].parameters()]
+
+    def holds(net: torch.nn.Module, state: list[torch.Tensor]) -> bool:
+        return all(torch.allclose(p.detach(), s) for p, s in zip(net.parameters(), state, strict=True))
+
+    with patches.installed():
+        table = robust.suspects()
+        table.clear()
+        group = _state_averagers(
+            nodes(3), nets, "pytest-robust-state-ban",
+            min_matchmaking_time=MATCHMAKING, request_timeout=1.5, target_group_size=3,
+        )  # fmt: skip
+        try:
+            attacker, rounds = str(group[2].peer_id), 0
+
+            def one_round(timeouts: list[float]) -> None:
+                with ThreadPoolExecutor(len(group)) as pool:
+                    steps = [
+                        pool.submit(a.step, averaging_round=True, averaging_opts=dict(timeout=t))
+                        for a, t in zip(group, timeouts, strict=True)
+                    ]
+                    for step in steps:
+                        step.result(timeout=MATCHMAKING + 20)
+
+            while table.banned_for(attacker) == 0:
+                assert rounds < suspects.FAR_STATES, table.suspects()
+                randomize()
+                one_round([MATCHMAKING + 10] * 3)
+                assert all(holds(net, honest_state) for net in nets), "a round of all three"
+                rounds += 1
+            assert rounds == (suspects.FAR_STATES + 1) // 2  # two judges a round
+            (found,) = table.suspects()
+            assert found.peer == attacker and found.ban_gap > suspects.STATE_FAR, found
+            sent: dict = {}
+            for averager in group[:2]:
+                matchmaking.set_target_group_size(averager, 2, sent)
+            randomize()
+            with torch.no_grad():  # B moves a little: a round of the two leaves both halfway
+                for p in nets[1].parameters():
+                    p.add_(0.01 * torch.randn_like(p))
+            pairs = zip(nets[0].parameters(), nets[1].parameters(), strict=True)
+            halfway = [(p.detach() + q.detach()) / 2 for p, q in pairs]
+            one_round([MATCHMAKING + 10, MATCHMAKING + 10, 3.0])  # the attacker finds no group
+            assert holds(nets[0], halfway) and holds(nets[1], halfway), "the honest peers averaged"
+            assert table.get(attacker).clipped == found.clipped, "the banned peer was not in their round"
+        finally:
+            for averager in group:
+                averager.shutdown()
+            table.clear()

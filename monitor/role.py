@@ -177,8 +177,8 @@ def _name_suspects(
                 f"owner.pem --run-id {cfg.swarm.run_id} --name {name} --initial-peers {address}"
             )
         log.warning(
-            "Peer %s is banned by %d of %d peers at global epoch %d: its gradients were far from its "
-            "groupmates' round after round (a peer that sends wrong numbers); %s",
+            "Peer %s is banned by %d of %d peers at global epoch %d: its gradients or parameters were far "
+            "from its groupmates' round after round (a peer that sends wrong numbers); %s",
             peer,
             banning,
             point.peers,

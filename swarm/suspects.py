@@ -26,15 +26,17 @@ time, between rounds at 1: the average of a peer's last five judged scales (four
 State rounds are not judged by scale: a peer that stepped alone for a few epochs differs from a group in
 step, and the robust rule then counts it as clipped although it is honest. They are judged by distance:
 
-- **a state that shares nothing with this peer's** (swarm/patches/robust.py): in a state
-  round of three or more senders where at least one groupmate's state lies near this peer's own (so that this
-  peer's own state is the swarm's, not one gone astray), a reducer notes each sender whose state lay further
-  than ``STATE_FAR`` (1.0) times its own state's norm from it (:meth:`Suspects.noted_state`). Random numbers
-  of each tensor's own norm lie about 1.41 times away, a model with its signs flipped 2 times; honest peers
-  at one global epoch hold nearly the same state (a peer that stepped alone for some epochs: 0.01-0.3 times
-  away, docs/benchmarks.md). ``FAR_STATES`` such rounds in a row ban the sender, as above. Only where peers
-  are meant to hold one state (gradient averaging): DiLoCo's state rounds carry each peer's own inner
-  optimizer moments, which differ honestly, and are not judged.
+- **a state that shares nothing with this peer's** (swarm/patches/robust.py): in a state round of three or
+  more senders where at least one groupmate's state lies near this peer's own (so that this peer's own
+  state is the swarm's, not one gone astray), a reducer notes each sender whose parameters lay further than
+  ``STATE_FAR`` (1.0) times its own parameters' norm from them, over the slice it reduced
+  (:meth:`Suspects.noted_state`; optimizer statistics are left out: a peer that stepped alone differs there
+  by up to 1.2 times). Random numbers of each tensor's own norm lie about 1.41 times away, a model with its
+  signs flipped 2 times; honest groupmates' parameters lay at most 0.024 times apart in the attack bench
+  until an attack mixed them, 0.3 times after. ``FAR_STATES`` (2) such rounds in a row ban the sender, as
+  above: state rounds are held only where some member's state differs, so a peer judges few of them. Only
+  where peers are meant to hold one state (gradient averaging): DiLoCo's state rounds carry each peer's own
+  inner optimizer moments, which differ honestly, and are not judged.
 
 - **far, in a round the screen rejects**: a robust rule outvotes a minority only; two colluders in a group of
   three (or two of four) make the round's result theirs, and a reducer then judges them close (its own part
@@ -72,7 +74,7 @@ BAN_BELOW = 0.5  # the average scale of its last WINDOW judged rounds that bans 
 BAN_SECONDS = 300.0  # the first ban; each later one of the same peer lasts twice as long as the one before
 MAX_BAN_SECONDS = 3600.0
 STATE_FAR = 1.0  # a state further than this many times this peer's own state's norm from it: far
-FAR_STATES = 3  # state rounds in a row in which a groupmate's state lay far from this peer's: a ban
+FAR_STATES = 2  # state rounds in a row in which a groupmate's state lay far from this peer's: a ban
 SLOTS = 256
 _PEER_BYTES = 64  # a PeerID in base58 has 46-53 characters
 

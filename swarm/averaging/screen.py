@@ -23,7 +23,8 @@ times
 - **a state averaging round's distance**: the averaged parameters must also lie within ``STATE_RADIUS``
   (0.5) times the norm of this peer's own parameters from them. Peers at one global epoch hold nearly one
   state (in the attack bench's runs, honest groupmates' parameters lay at most 0.024 of their norm apart
-  until an attack mixed them); random parameters of an honest norm lie 1.41 away, two colluders in a group
+  until an attack mixed them, 0.3 after; accepted results lay at most 0.29 away, rejected ones 0.58 or more);
+  random parameters of an honest norm lie 1.41 away, two colluders in a group
   of three make the robust result theirs, and two in a group of four leave it about half-way (at a limit of
   1 such rounds passed and took honest peers to val acc 0.52 within 3 epochs). A download is not judged
   so: a newcomer's parameters are not the swarm's (swarm/averaging/donors.py checks downloads).

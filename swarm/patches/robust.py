@@ -300,7 +300,8 @@ def _reducer_class(counter: Any) -> type:
 
 def score_senders_here() -> None:
     """Called in a gradient averager's process as it starts: its reducers judge the senders of each round
-    (swarm/suspects.py). State rounds are not judged."""
+    (swarm/suspects.py) by the scales the rule gave their parts. State rounds are judged by distance
+    (:func:`judge_states_here`)."""
     global _SCORING
     _SCORING = True
 

@@ -340,13 +340,24 @@ def test_a_groupmate_banned_in_the_middle_of_a_round_is_dropped_as_a_sender_at_o
 
     # A's reducer began to await its senders after its trigger: a wait of sender_timeout ends later than that
     assert (took < sender_timeout) if drops else (took > sender_timeout), took
-    # A's slice: the mean of A and B (as B holds it too); every other number the mean of all three
-    candidates = torch.stack([(a + b) / 2, (a + b + x) / 3])
-    which = (held[0] - candidates).abs().argmin(dim=0)
-    own_slice = which == 0
+    # A's slice: the mean of A and B, as both hold it; B's slice: the mean of all three, as both hold it
+    both, all_three, without_a = (a + b) / 2, (a + b + x) / 3, (b + x) / 2
+
+    def near(got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+        return (got - expected).abs() <= 1e-5 * expected.abs() + 1e-6
+
+    own_slice = near(held[1], both)
     assert size / 5 < own_slice.sum() < size / 2, own_slice.sum()
-    for got in held:
-        torch.testing.assert_close(got, candidates.gather(0, which[None])[0], rtol=1e-5, atol=1e-6)
+    assert near(held[0], both)[own_slice].all()
+    # X's slice: the mean of all three; or, where A's refusal reached X before A's parts did, X's reducer
+    # dropped A as a sender (a groupmate whose reducer failed before it sent a part, item 8): the mean of B
+    # and X, which A does not take (it keeps its own numbers there; seen in about 1 run in 20 under load)
+    full = near(held[1], all_three) & ~own_slice
+    dropped_a = near(held[1], without_a) & ~own_slice & ~full
+    assert (own_slice | full | dropped_a).all()
+    assert size / 5 < full.sum(), full.sum()  # B's slice at least
+    assert near(held[0], all_three)[full].all()
+    assert near(held[0], a)[dropped_a].all()
 
 
 @pytest.mark.parametrize("sends", [False, True], ids=["refusing to call it", "sending its parts"])

@@ -169,7 +169,7 @@ class Suspects:
             if slot is None:
                 return False
             slot.seen = now
-            if not (gap > STATE_FAR or not math.isfinite(gap)):
+            if gap <= STATE_FAR:  # near (a NaN counts as far)
                 slot.far_states = 0
                 return False
             slot.rounds += 1

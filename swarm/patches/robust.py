@@ -258,10 +258,9 @@ def _reducer_class(counter: Any) -> type:
             """Each sender's part's distance from this peer's own part, over the own part's norm; a sender
             with fewer samples than the round's median is allowed the larger noise of its smaller batch (the
             distance is divided by the square root of the ratio, as its scale is in ``_judged_scales``)."""
-            names, own = self.__dict__.get("sender_peer_ids"), self.__dict__.get("own_peer_id")
-            if names is None or own is None or own not in names or names.index(own) not in senders:
+            mine = self._own_part(parts, senders)
+            if mine is None:
                 return
-            mine = parts[senders.index(names.index(own))]
             norm, share = float(torch.linalg.vector_norm(mine)), _shares(weights)
             if norm <= 0 or share is None:
                 return
@@ -270,18 +269,22 @@ def _reducer_class(counter: Any) -> type:
                 total, count = self.sender_far.get(sender, (0.0, 0))
                 self.sender_far[sender] = (total + distance, count + 1)
 
-        def _a_parameter(self, part_index: int) -> bool:
-            from hivemind.compression import TensorRole
+        def _own_part(self, parts: torch.Tensor, senders: list[int]) -> torch.Tensor | None:
+            """This peer's own row of ``parts`` (one per index in ``senders``); None if it sent none."""
+            names, own = self.__dict__.get("sender_peer_ids"), self.__dict__.get("own_peer_id")
+            if names is None or own is None or own not in names or names.index(own) not in senders:
+                return None
+            return parts[senders.index(names.index(own))]
 
-            roles = self.__dict__.get("part_roles")
-            return roles is not None and part_index < len(roles) and roles[part_index] == TensorRole.PARAMETER
+        def _a_parameter(self, part_index: int) -> bool:
+            parameters = self.__dict__.get("parameter_parts")
+            return parameters is not None and part_index < len(parameters) and parameters[part_index]
 
         def _measure_state_gaps(self, parts: torch.Tensor, senders: list[int]) -> None:
             """Each sender's squared distance from this peer's own part, and the own part's squared norm."""
-            names, own = self.__dict__.get("sender_peer_ids"), self.__dict__.get("own_peer_id")
-            if names is None or own is None or own not in names or names.index(own) not in senders:
+            mine = self._own_part(parts, senders)
+            if mine is None:
                 return
-            mine = parts[senders.index(names.index(own))]
             squares = torch.linalg.vector_norm(parts - mine, dim=1).square().tolist()
             norm = float(torch.linalg.vector_norm(mine).square())
             for sender, square in zip(senders, squares, strict=True):
@@ -367,6 +370,7 @@ def _targets() -> list[tuple[Any, str, Any]]:
     """Count from now on; the averager processes started afterwards inherit the counter and the suspects."""
     global _clipped, _suspects
     from hivemind.averaging import allreduce
+    from hivemind.compression import TensorRole
 
     if _clipped is None:
         _clipped = mp.get_context("fork").Value("q", 0)
@@ -379,10 +383,10 @@ def _targets() -> list[tuple[Any, str, Any]]:
         init(self, *args, **kwargs)
         reducer = self.tensor_part_reducer
         reducer.sender_peer_ids, reducer.own_peer_id = list(self.sender_peer_ids), self.peer_id
-        # the role of each part this peer reduces (a parameter, an optimizer statistic, ...): hivemind splits
+        # whether each part this peer reduces is a parameter's (not an optimizer statistic's): hivemind splits
         # every peer's tensors alike, and this peer's own parts are the ones it reduces (partition.py:73-95)
         own = self.tensor_part_container._input_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)]
-        reducer.part_roles = [info.role for _, info in own]
+        reducer.parameter_parts = [info.role == TensorRole.PARAMETER for _, info in own]
 
     return [
         (allreduce, "TensorPartReducer", _reducer_class(_clipped)),

@@ -284,7 +284,7 @@ def test_a_state_that_shares_nothing_with_this_peers_is_banned_after_far_states_
         async def run():
             reducer = reducer_class([mine.shape], 3)
             reducer.sender_peer_ids, reducer.own_peer_id = ["own", "honest", "random"], "own"
-            reducer.part_roles = [role]
+            reducer.parameter_parts = [role == TensorRole.PARAMETER]
             await asyncio.gather(*(reducer.accumulate_part(i, 0, p, 1.0) for i, p in enumerate(parts)))
             assert reducer.finished.is_set()
             return robust.state_gaps(reducer)

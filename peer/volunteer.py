@@ -472,6 +472,7 @@ class SwarmReporter(L.Callback):
             "skipped_nonfinite_steps": self.strategy.skipped_nonfinite_steps,
             "nonfinite_rollbacks": self.strategy.nonfinite_rollbacks,
             "resyncs": self.strategy.resyncs,
+            "astray_resyncs": self.strategy.astray_resyncs,
             "bytes_sent": self.strategy.bytes_sent,
             "bytes_sent_gradients": traffic.bytes_sent("gradients"),
             "bytes_sent_state": traffic.bytes_sent("state"),

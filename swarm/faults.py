@@ -24,6 +24,9 @@ list of ``kind@epoch`` or ``kind@epochxcount`` items, e.g. ``kill:allreduce@5`` 
 - ``random_grad@ExN``: the first N local steps from epoch E replace each parameter's gradient by a random
   direction of the same norm: numbers of an honest size that carry no information (noise in the mean).
 - ``nan_params@E``: the parameters turn NaN right after the averaging that ends epoch E.
+- ``wander@E``: right after the averaging that ends epoch E, the parameters become random numbers of each
+  parameter's own norm: a peer whose state went astray (a bug, a stale state) and that is honest otherwise
+  (what ``DonorCheck.astray`` of swarm/averaging/donors.py is for).
 - ``bad_state@E``: from global epoch E on, the peer sends random numbers of each parameter's own norm (drawn
   from the epoch as a seed) instead of its parameters in every state round, and tells its groupmates in the
   gradient round that it holds another state, so that the state round is held rather than skipped (item 16
@@ -73,7 +76,8 @@ ABANDON_JOIN = "abandon:join"
 BAD_DONOR, BAD_STATE = "bad_donor", "bad_state"
 BAD_DONOR_LEAD = 100  # epochs by which a bad donor's declared priority runs ahead of its epoch
 CLAIM_EPOCH, CLAIM_LEAD = "claim_epoch", 10**6  # epochs by which its progress records run ahead of its epoch
-KINDS = (*KILL_KINDS, *GRAD_KINDS, "nan_params", BAD_DONOR, BAD_STATE, CLAIM_EPOCH, ABANDON_JOIN, LOCAL_KILL)
+PARAM_KINDS = ("nan_params", "wander")
+KINDS = (*KILL_KINDS, *GRAD_KINDS, *PARAM_KINDS, BAD_DONOR, BAD_STATE, CLAIM_EPOCH, ABANDON_JOIN, LOCAL_KILL)
 _ARMED_NONE, _ARMED_MATCHMAKING, _ARMED_ALLREDUCE, _ARMED_ABANDON, _ABANDONED = 0, 1, 2, 3, 4
 
 
@@ -259,14 +263,21 @@ class FaultInjector:
         return True
 
     def corrupt_parameters(self, module: torch.nn.Module, epoch: int) -> bool:
-        """Turn one parameter NaN right after the averaging that ended ``epoch``, if due; True if it did."""
+        """Right after the averaging that ended ``epoch``, if due: turn one parameter NaN (``nan_params``), or
+        every parameter into random numbers of its own norm (``wander``); True if it did."""
         for fault in self.faults:
-            if fault.kind == "nan_params" and epoch >= fault.epoch and fault not in self._params_done:
+            if fault.kind in PARAM_KINDS and epoch >= fault.epoch and fault not in self._params_done:
                 self._params_done.add(fault)
                 import torch
 
                 with torch.no_grad():
-                    next(module.parameters()).fill_(float("nan"))
+                    if fault.kind == "nan_params":
+                        next(module.parameters()).fill_(float("nan"))
+                        return True
+                    params = list(module.parameters())
+                    for p, q in zip(params, _random_of_the_same_norms(params, epoch), strict=True):
+                        p.copy_(q)
+                print(f"FAULT INJECTED: the parameters went astray after global epoch {epoch}", flush=True)
                 return True
         return False
 

@@ -38,6 +38,10 @@ Peers that share one invite (a lab that hands one file to all its machines) ther
 each volunteer an invite of its own (``swarm-peer invite``; the demo does). In an open swarm a vote is a
 record's PeerID, which is its own claim.
 
+The same vote serves a peer whose state round was rejected for lying far from its own parameters
+(swarm/averaging/screen.py ``STATE_RADIUS``): :meth:`DonorCheck.astray` says whether its own state is the
+one astray (most other peers, two at least, hold one other state), and the peer then downloads the swarm's.
+
 What it cannot catch: a change too small to tell from an honest peer's drift (under ``NEAR`` of the norm, for
 which the robust mean of the next rounds is the defence), and attackers with as many votes as the honest
 peers that hold one state (invites in an invite-only swarm, records in an open one): one honest peer and one
@@ -74,6 +78,7 @@ NEAR = 0.1
 # the reason of a refusal for an epoch that no other peer has reached: not evidence of a bad donor (an honest
 # peer ahead of the others while a swarm starts is refused too), so it is told as news, not as a warning
 AHEAD = "is ahead of every other peer's"
+ASTRAY_VOTES = 2  # other peers, at the least, that must hold one other state for this peer's to be astray
 
 
 class DonorCheck:
@@ -146,21 +151,27 @@ class DonorCheck:
             newest = {p: e for p, e in self.newest.items() if p not in (donor, own)}
         return votes, newest, donor
 
-    def judge(self, epoch: int, sketch: list[float], donor: str) -> str | None:
-        """None if the state of global ``epoch`` downloaded from ``donor`` (its PeerID), whose sketch is
-        ``sketch``, may be kept; else why not (one line)."""
-        # the other live peers that have not reached the epoch yet are waited for (an attacker's colluder
-        # publishes first), at most WAIT_FOR_SKETCHES seconds: one that is behind, or left, may never publish
-        # it. One past the epoch has published it already, or jumped over it by a download of its own
+    def _counted(self, epoch: int, donor: str) -> tuple[dict[str, list[float]], dict[str, int], str]:
+        """:meth:`_seen` once the other live peers that have not reached ``epoch`` yet have published it (an
+        attacker's colluder publishes first), at most WAIT_FOR_SKETCHES seconds: one that is behind, or left,
+        may never publish it. One past the epoch has published it already, or jumped over it by a download
+        of its own."""
         deadline = time.monotonic() + WAIT_FOR_SKETCHES
         while True:
             votes, newest, voter = self._seen(epoch, donor)
             behind = {p for p, e in newest.items() if e < epoch and p not in votes}
-            # the donor's own record of the epoch too: it served the state before it published it
-            if (not behind and (voter in votes or not newest)) or time.monotonic() >= deadline:
-                break
+            # the donor's own record of the epoch too: it served the state before it published it (this
+            # peer's own state, judged by :meth:`astray`, has no record to wait for)
+            published = voter in votes or donor == self.own or not newest
+            if (not behind and published) or time.monotonic() >= deadline:
+                return votes, newest, voter
             time.sleep(0.5)
             self.read()
+
+    def judge(self, epoch: int, sketch: list[float], donor: str) -> str | None:
+        """None if the state of global ``epoch`` downloaded from ``donor`` (its PeerID), whose sketch is
+        ``sketch``, may be kept; else why not (one line)."""
+        votes, newest, voter = self._counted(epoch, donor)
         if not set(votes) - {voter}:
             top = max(newest.values(), default=None)
             if top is not None and top < epoch:
@@ -180,11 +191,7 @@ class DonorCheck:
                 "there is none" if top is None else "they went past it by downloads",
             )
             return None
-        same = [p for p, other in votes.items() if sketch_distance(sketch, other) <= NEAR]
-        rest = [votes[p] for p in votes if p not in same]
-        # the most peers that hold one other state: honest peers that have not averaged yet (each from its own
-        # initialisation) hold as many states as there are peers, and outvote nobody
-        rival = max((sum(sketch_distance(x, y) <= NEAR for y in rest) for x in rest), default=0)
+        same, rival, rest = _tally(sketch, votes)
         if len(same) >= rival:
             self.checked += 1
             log.info(
@@ -200,3 +207,36 @@ class DonorCheck:
             f"its parameters differ from the state that {rival} of the {len(votes)} peers published for "
             f"global epoch {epoch} (by {gap:.2g} of its norm or more; {len(same)} hold the downloaded one)"
         )
+
+    def astray(self, epoch: int, sketch: list[float]) -> str | None:
+        """Why this peer's own state of global ``epoch`` (its sketch ``sketch``) is the one astray, or None.
+
+        A state round whose average lies far from this peer's parameters (swarm/averaging/screen.py
+        ``STATE_RADIUS``) says only that this peer and its group disagree: either groupmates that are half of
+        the group or more sent other parameters (colluders), and this peer must keep its own, or this peer's
+        state wandered off (a bug, a stale state, rounds it rejected while an attacker was in them), and it
+        would otherwise reject every round, train alone for ever, and be banned by the others for being
+        far. The swarm's published sketches decide: astray if at least ``ASTRAY_VOTES`` other peers (one vote
+        per invite) hold one state that is not this peer's, and they are more than half of the peers that
+        published the epoch. Colluders that are half of the peers or fewer, and a swarm of two, never make a
+        peer think itself astray."""
+        self.read()
+        votes, _, _ = self._counted(epoch, self.own)
+        same, rival, rest = _tally(sketch, votes)
+        if rival < ASTRAY_VOTES or 2 * rival <= len(votes):
+            return None
+        gap = min(sketch_distance(sketch, x) for x in rest)
+        return (
+            f"{rival} of the {len(votes)} other peers that published global epoch {epoch} hold one state, "
+            f"{gap:.2g} of its norm or more from this peer's ({len(same)} hold this peer's)"
+        )
+
+
+def _tally(sketch: list[float], votes: dict[str, list[float]]) -> tuple[list[str], int, list[list[float]]]:
+    """(the voters whose sketch is within ``NEAR`` of ``sketch``; the most other voters that hold one other
+    state; the other voters' sketches). Honest peers that have not averaged yet (each from its own
+    initialisation) hold as many states as there are peers, and outvote nobody."""
+    same = [p for p, other in votes.items() if sketch_distance(sketch, other) <= NEAR]
+    rest = [votes[p] for p in votes if p not in same]
+    rival = max((sum(sketch_distance(x, y) <= NEAR for y in rest) for x in rest), default=0)
+    return same, rival, rest

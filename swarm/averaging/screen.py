@@ -52,7 +52,10 @@ times
   gradient had cosine -0.52 with the average of its round with a 224-sample one.
 
 A rejected round is not applied: for gradients the peer steps on its own gradient of the round (as after
-a failed round), for the state (averaged or downloaded) it keeps its own state. Each rejection is counted
+a failed round), for the state (averaged or downloaded) it keeps its own state. A state round rejected for
+its distance (``take_far_state``) has the peer ask the swarm's published sketches whether its own state is
+the one astray (swarm/averaging/donors.py ``DonorCheck.astray``); if so it downloads the swarm's
+(swarm/averaging/strategy.py ``_check_own_state``) rather than reject every later round. Each rejection is counted
 and logged with its figure. This detects outsized updates; it does not outvote a peer that sends plausible
 but wrong numbers (that needs robust aggregation, e.g. CenteredClip).
 """
@@ -122,6 +125,9 @@ class RoundScreen:
         self.rejected_downloads = 0
         # results of each kind rejected since the last accepted one
         self.in_row = {"gradient": 0, "state": 0, "download": 0}
+        # a state round's average lay beyond STATE_RADIUS since the peer last asked (``take_far_state``):
+        # either groupmates that own the group sent other parameters, or this peer's own state is astray
+        self._far_state = False
 
     @property
     def pair_scale(self) -> float:
@@ -140,6 +146,13 @@ class RoundScreen:
     @property
     def rejected(self) -> int:
         return self.rejected_gradient_rounds + self.rejected_state_rounds + self.rejected_downloads
+
+    def take_far_state(self) -> bool:
+        """Whether a state round was rejected for its distance since the last call (then cleared): the
+        peer then asks the swarm whether its own state is the one astray (swarm/averaging/donors.py
+        ``DonorCheck.astray``)."""
+        far, self._far_state = self._far_state, False
+        return far
 
     def _outsized(self, norm: float, reference: float, limit: float | None = None) -> bool:
         """Whether ``norm`` is more than ``limit`` (by default ``factor``) times ``reference``."""
@@ -247,6 +260,7 @@ class RoundScreen:
         if what == "averaged" and role == "parameters" and own > 0 and self.factor > 0:
             away = _distance(mine, theirs) / own
             if away > STATE_RADIUS:
+                self._far_state = True
                 return (
                     f"the averaged parameters lie {away:.2f} times their own norm from this peer's (the "
                     f"limit is {STATE_RADIUS:g}: peers at one global epoch hold nearly one state; most "

@@ -190,6 +190,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.skipped_nonfinite_steps = 0
         self.nonfinite_rollbacks = 0  # global epochs after which the parameters were non-finite
         self.resyncs = 0  # state downloads after a fault
+        self.astray_resyncs = 0  # of them, after this peer's own state was found astray from the swarm's
         self.local_fallback_steps = 0  # failed gradient rounds: this peer stepped on its own gradient
         self.close_groups_early, self.report_every = close_groups_early, report_every
         self.skip_agreed_state_rounds = skip_agreed_state_rounds
@@ -511,6 +512,8 @@ class HivemindStrategy(SingleDeviceStrategy):
                 flight = self.diloco.last_flight if self.diloco is not None and self.diloco.overlap else 0.0
                 self.clock.close_round(self.local_epoch, spent, flight)
             self._after_global_step(module)
+            if self.screen.take_far_state():
+                self._check_own_state()
         if self.faults is not None and self.hivemind_opt is not None:
             accumulated = (
                 self.diloco.samples
@@ -664,6 +667,24 @@ class HivemindStrategy(SingleDeviceStrategy):
             self.guard.epoch,
         )
         self._resync("after non-finite parameters")
+
+    def _check_own_state(self) -> None:
+        """A state round was rejected for its distance from this peer's parameters: if the swarm's published
+        sketches show this peer's own state to be the one astray (swarm/averaging/donors.py ``astray``), take
+        the swarm's (a checked download); else keep it (groupmates that own the group sent other numbers)."""
+        if self.donor_check is None:
+            return
+        sketch = self.state_sketch()
+        reason = None if sketch is None else self.donor_check.astray(self.local_epoch, sketch)
+        if reason is None:
+            return
+        self.astray_resyncs += 1
+        log.warning(
+            "This peer's state is astray from the swarm's: %s. It takes the swarm's state rather than reject "
+            "every round",
+            reason,
+        )
+        self._resync("after its state went astray")
 
     def _restore_guarded(self) -> None:
         """Back to the last finite state (in DiLoCo also as the anchor)."""

@@ -1003,6 +1003,59 @@ def test_a_download_check_waits_for_the_honest_peers_records_that_come_after_a_c
     assert check.judge(5, state_averager.state_sketch(honest), donor="h1") is None
 
 
+def test_a_peer_finds_its_own_state_astray_only_when_most_other_peers_hold_one_other_state(
+    request, monkeypatch
+):
+    """After a state round whose average lay far from its parameters, a peer asks whether its own state is
+    the one astray (swarm/averaging/donors.py ``astray``): yes when at least two other peers, and more than
+    half of those that published the epoch, hold one state that is not its own; no in a swarm of two, nor
+    against colluders that are half of the other peers, nor where other peers hold its state. A peer one epoch
+    behind is waited for, and its record counts."""
+    from swarm.averaging import donors
+
+    monkeypatch.setattr(donors, "WAIT_FOR_SKETCHES", 10.0)
+    (node,) = request.getfixturevalue("dhts")(1)
+    run = "pytest-astray"
+    torch.manual_seed(0)
+    swarm_state = [torch.randn(3, 4), torch.randn(5)]
+    astray = [torch.randn(3, 4), torch.randn(5)]  # the same sizes, nothing in common
+    check = donors.DonorCheck(node, run, own="me")
+    mine = state_averager.state_sketch(astray)
+
+    assert check.astray(5, mine) is None  # nobody else
+    _publish_sketch(node, run, "b", "b", 5, swarm_state)
+    assert check.astray(5, mine) is None  # a swarm of two: nobody can tell which of the two is astray
+
+    _publish_sketch(node, run, "c", "c", 4, [t * 0.99 for t in swarm_state])  # live, one epoch behind
+
+    def c_later() -> None:
+        time.sleep(1.0)
+        _publish_sketch(node, run, "c", "c", 5, [t * 1.001 for t in swarm_state])  # within NEAR of b's
+
+    later = threading.Thread(target=c_later)
+    later.start()
+    try:
+        started = time.monotonic()
+        reason = check.astray(5, mine)
+        waited = time.monotonic() - started
+    finally:
+        later.join()
+    assert 1.0 <= waited < 10.0, waited
+    assert reason is not None and reason.startswith(
+        "2 of the 2 other peers that published global epoch 5 hold"
+    ), reason
+    assert "(0 hold this peer's)" in reason, reason
+    assert check.astray(5, state_averager.state_sketch(swarm_state)) is None  # the swarm's own state
+
+    for name in ("d", "e"):  # two more that hold this peer's state: 2 against 2
+        _publish_sketch(node, run, name, name, 5, astray)
+    assert check.astray(5, mine) is None
+    _publish_sketch(node, run, "e", "e", 5, swarm_state)  # e went over: 3 of 4 hold the other state
+    reason = check.astray(5, mine)
+    assert reason is not None and reason.startswith("3 of the 4 other peers"), reason
+    assert "(1 hold this peer's)" in reason, reason
+
+
 def test_in_an_invite_only_swarm_a_download_check_counts_one_vote_per_invite(request, tmp_path):
     """Item 23, who votes. An invited attacker publishes, under 4 DHT keys and 4 PeerIDs of its own, 4 records
     that vouch for its state of epoch 5, each with a valid member record of its one invite, plus a record in

@@ -55,9 +55,9 @@ A rejected round is not applied: for gradients the peer steps on its own gradien
 a failed round), for the state (averaged or downloaded) it keeps its own state. A state round rejected for
 its distance (``take_far_state``) has the peer ask the swarm's published sketches whether its own state is
 the one astray (swarm/averaging/donors.py ``DonorCheck.astray``); if so it downloads the swarm's
-(swarm/averaging/strategy.py ``_check_own_state``) rather than reject every later round. Each rejection is counted
-and logged with its figure. This detects outsized updates; it does not outvote a peer that sends plausible
-but wrong numbers (that needs robust aggregation, e.g. CenteredClip).
+(swarm/averaging/strategy.py ``_check_own_state``) rather than reject every later round. Each rejection is
+counted and logged with its figure. This detects outsized updates; it does not outvote a peer that sends
+plausible but wrong numbers (that needs robust aggregation, e.g. CenteredClip).
 """
 
 from __future__ import annotations

@@ -94,6 +94,7 @@ class _Slot(ctypes.Structure):
         ("far", ctypes.c_int64),  # rounds whose parts it sent lay far from this peer's own (noted_far)
         ("far_states", ctypes.c_int64),  # state rounds in a row in which its state lay far (noted_state)
         ("ban_gap", ctypes.c_double),  # its state's distance (over this peer's norm) when a state ban came
+        ("ban_served", ctypes.c_int64),  # 1 if that state was one it served as a donor (served_far)
     ]
 
 
@@ -110,6 +111,7 @@ class Suspect:
     first_banned: float  # when this peer first banned it (seconds since the epoch); 0 if never
     ban_scale: float  # the average scale of its last judged rounds when it was last banned; 1 if never
     ban_gap: float = 0.0  # if its last ban came from state rounds: its state's distance from this peer's
+    ban_served: bool = False  # if it came from a state it served as a donor (ban_gap: from the swarm's)
 
 
 class Suspects:
@@ -181,6 +183,25 @@ class Suspects:
             slot.far_states = 0
             return True
 
+    def served_far(self, peer: str, gap: float, now: float | None = None) -> bool:
+        """Count a download from donor ``peer`` that the download check refused (swarm/averaging/donors.py):
+        its state lay ``gap`` times its norm from the state that most peers published for its epoch. One
+        further than ``STATE_FAR`` bans it at once (True): random numbers of an honest norm, a model with its
+        signs flipped or another run's lie about 1.4, 2 and 1 or more away, where honest peers' parameters at
+        one epoch lay at most 0.3 of their norm apart in the attack bench, after an attack had mixed them."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            slot = self._find(_key(peer), True, now)
+            if slot is None or gap <= STATE_FAR:  # a NaN counts as far
+                return False
+            slot.seen = now
+            slot.rounds += 1
+            slot.clipped += 1
+            if slot.banned_until > now:
+                return False
+            _ban(slot, now, 0.0, gap=gap, served=True)
+            return True
+
     def get(self, peer: str, now: float | None = None) -> Suspect | None:
         """What this peer holds against ``peer``; None if it never judged it."""
         now = time.monotonic() if now is None else now
@@ -222,11 +243,11 @@ class Suspects:
             ctypes.memset(ctypes.addressof(self._slots), 0, ctypes.sizeof(self._slots))
 
 
-def _ban(slot: _Slot, now: float, scale: float, gap: float) -> None:
+def _ban(slot: _Slot, now: float, scale: float, gap: float, served: bool = False) -> None:
     slot.banned_until = now + min(MAX_BAN_SECONDS, BAN_SECONDS * 2**slot.bans)
     slot.bans += 1
     slot.first_banned = slot.first_banned or time.time()
-    slot.ban_scale, slot.ban_gap = scale, gap
+    slot.ban_scale, slot.ban_gap, slot.ban_served = scale, gap, int(served)
     slot.filled = 0  # judged afresh after the ban
 
 
@@ -241,6 +262,7 @@ def _suspect(slot: _Slot, now: float) -> Suspect:
         first_banned=slot.first_banned,
         ban_scale=slot.ban_scale if slot.bans else 1.0,
         ban_gap=slot.ban_gap if slot.bans else 0.0,
+        ban_served=bool(slot.ban_served) if slot.bans else False,
     )
 
 
@@ -255,6 +277,12 @@ def _key(peer: str) -> bytes:
 
 def why_banned(suspect: Suspect) -> str:
     """One line: why this peer keeps ``suspect`` out of its groups."""
+    if suspect.ban_served:
+        return (
+            f"the state it served as a donor shared nothing with the one most peers published for its epoch "
+            f"({suspect.ban_gap:.2f} times its norm away) (ban {suspect.bans}, "
+            f"{suspect.banned_for:.0f} s left)"
+        )
     if suspect.ban_gap:
         return (
             f"its state in state rounds shared nothing with this peer's, which other groupmates held "

@@ -163,6 +163,24 @@ def test_suspects_are_banned_when_far_round_after_round_for_longer_each_time():
     assert not any(table.record("12D3KooWmid", 0.55, now=200.0 + i) for i in range(20))
 
 
+def test_a_donor_whose_refused_state_shares_nothing_with_the_swarms_is_banned_at_once():
+    """A download that the check refused (swarm/averaging/donors.py) for a state more than STATE_FAR of its
+    norm from the one most peers published bans its donor at once, and says so; one refused for a smaller
+    difference (an honest donor that holds another group's state) is not banned, however often."""
+    table = suspects.Suspects()
+    assert not any(table.served_far("12D3KooWhonest", 0.3, now=float(i)) for i in range(10))
+    assert table.banned_for("12D3KooWhonest", now=10.0) == 0.0
+    assert table.served_far("12D3KooWdonor", 1.41, now=20.0) is True
+    assert table.served_far("12D3KooWdonor", 1.41, now=21.0) is False  # banned already
+    (found,) = [s for s in table.suspects(now=21.0) if s.peer == "12D3KooWdonor"]
+    assert found.banned_for == suspects.BAN_SECONDS - 1 and found.ban_served and found.bans == 1
+    assert suspects.why_banned(found) == (
+        "the state it served as a donor shared nothing with the one most peers published for its epoch "
+        "(1.41 times its norm away) (ban 1, 299 s left)"
+    )
+    assert table.served_far("12D3KooWnan", float("nan"), now=30.0) is True  # not a number: far
+
+
 def _group_round(noise: float, signs: list[float], seed: int, weights: list[float] | None = None):
     """(this peer's gradient, the weighted mean of a round whose other members send their own honest gradient
     times each of ``signs``); every gradient estimates one true gradient of norm 1, off by ``noise`` times."""

@@ -92,6 +92,9 @@ class DonorCheck:
         self.sketches: dict[int, dict[str, list[float]]] = {}  # epoch -> {voter: sketch}
         self.newest: dict[str, int] = {}  # voter -> its epoch, in the records of the last read
         self.checked = self.refused = self.unchecked = 0
+        # of the last download judged: how far its state lay from the one most peers published (a fraction
+        # of its norm), if it was refused for that; else None
+        self.last_gap: float | None = None
         self._warned: set = set()
         self._lock = threading.Lock()
 
@@ -171,6 +174,7 @@ class DonorCheck:
     def judge(self, epoch: int, sketch: list[float], donor: str) -> str | None:
         """None if the state of global ``epoch`` downloaded from ``donor`` (its PeerID), whose sketch is
         ``sketch``, may be kept; else why not (one line)."""
+        self.last_gap = None
         votes, newest, voter = self._counted(epoch, donor)
         if not set(votes) - {voter}:
             top = max(newest.values(), default=None)
@@ -202,7 +206,7 @@ class DonorCheck:
             )
             return None
         self.refused += 1
-        gap = min(sketch_distance(sketch, x) for x in rest)
+        gap = self.last_gap = min(sketch_distance(sketch, x) for x in rest)
         return (
             f"its parameters differ from the state that {rival} of the {len(votes)} peers published for "
             f"global epoch {epoch} (by {gap:.2g} of its norm or more; {len(same)} hold the downloaded one)"

@@ -347,11 +347,13 @@ class _SettledState:
         """Item 23: ask one donor at a time, newest first (at most ``DONORS_TRIED``); each download is judged
         by the screen, then by ``check_download`` against the state that the other peers published for its
         epoch. A contradicted state is undone, with this peer's own epoch, and its donor is not asked again
-        for ``REFUSE_FOR`` seconds."""
+        for ``REFUSE_FOR`` seconds; one that shares nothing with the swarm's (further than ``STATE_FAR``)
+        also bans its donor from this peer's groups (swarm/suspects.py ``served_far``)."""
         result = None
         for donor in self._donors()[:DONORS_TRIED]:
             name = donor.to_base58()
             self._outer_pipe.send(("_swarm_ask_only", [donor.to_bytes()], {}))
+            self.check_download.last_gap = None  # set by the check if it refuses this donor's state
             try:
                 with self.check_download.watching():
                     result, refused = self._load_screened(check=name, **kwargs)
@@ -360,6 +362,9 @@ class _SettledState:
             if refused is None:
                 return result
             self.refused_donors[name] = time.monotonic() + REFUSE_FOR
+            gap, suspects = self.check_download.last_gap, robust.suspects()
+            if gap is not None and suspects is not None:
+                suspects.served_far(name, gap)  # a state that shares nothing with the swarm's: a ban
             if self.on_refused is not None:
                 self.on_refused(name, refused)
         return result

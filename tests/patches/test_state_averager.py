@@ -825,8 +825,11 @@ def test_colluding_donors_that_claim_the_newest_epoch_and_serve_random_numbers_a
     through: the sizes are honest); D and E (a colluder) publish that state's sketch as theirs; B, C and F,
     honest, hold one state at epoch 5 and publish its sketch (B is a donor of priority 5). On plain hivemind
     the newcomer A takes D's state. With the swarm's state averager and a DonorCheck, A refuses it (2 records
-    for it, 3 against), undoes it, and takes B's (3 for, 2 against); D is not asked again."""
+    for it, 3 against), undoes it, and takes B's (3 for, 2 against); D is not asked again, and since its
+    state shares nothing with the swarm's, A bans it from its groups."""
+    from swarm import suspects
     from swarm.averaging.donors import DonorCheck
+    from swarm.patches import robust
 
     prefix, run = "pytest-sa-bad-donor", "pytest-sa-bad-donor-run"
     nodes = _nodes(request, patched, 3)
@@ -860,10 +863,18 @@ def test_colluding_donors_that_claim_the_newest_epoch_and_serve_random_numbers_a
             assert "2 hold the downloaded one" in reason, reason
             assert a.check_download.refused == 1 and a.check_download.checked == 1
             assert d.peer_id.to_base58() in a.refused_donors
+            # its state shares nothing with the swarm's: banned from A's groups (swarm/suspects.py)
+            banned = robust.suspects().get(d.peer_id.to_base58())
+            assert banned is not None and banned.banned_for > 0 and banned.ban_served, banned
+            assert banned.ban_gap > 1.0, banned
+            assert suspects.why_banned(banned).startswith("the state it served as a donor shared nothing")
+            assert robust.suspects().get(b.peer_id.to_base58()) is None  # the honest donor: nothing
         else:
             assert _holds(nets[0], random_state)  # the attackers' numbers are the newcomer's model
             assert not _holds(nets[0], newcomer_own)
     finally:
+        if patched:
+            robust.suspects().clear()
         _shutdown(a, b, d)
 
 

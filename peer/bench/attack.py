@@ -171,14 +171,15 @@ def _one(bench: Bench, run_id: str, row: Row) -> None:
         "attackers_banned": [len(_bans(x, attacker_ids)) for x in s],
     }
     if newcomer is not None:
-        record.update(_newcomer(bench, run_id, newcomer, vals))
+        record.update(_newcomer(bench, run_id, newcomer, vals, attack_began, attacker_ids))
     bench.record(record)
     end = f"{fmt(after[-1][2])} after {after[-1][0]} epochs (loss {fmt(after[-1][1])})" if after else "-"
     if newcomer is not None:
         print(
             f"newcomer: val acc {fmt(record['newcomer_val_acc'])} at global epoch {record['newcomer_epoch']} "
             f"(the honest peer then: {fmt(record['honest_val_acc_then'])}); downloads refused "
-            f"{record['refused_downloads']}, checked {record['checked_downloads']}",
+            f"{record['refused_downloads']}, checked {record['checked_downloads']}; every attacker banned "
+            f"by it after {record['newcomer_banned_after_s']} s",
             flush=True,
         )
     print(
@@ -191,9 +192,12 @@ def _one(bench: Bench, run_id: str, row: Row) -> None:
     )
 
 
-def _newcomer(bench: Bench, run_id: str, newcomer: Peer, honest_vals: list) -> dict[str, Any]:
+def _newcomer(
+    bench: Bench, run_id: str, newcomer: Peer, honest_vals: list, attack_began: float, attacker_ids: list[str]
+) -> dict[str, Any]:
     """The newcomer's first validation (right after its download) against the honest peer's at or before that
-    epoch, and what its download check did."""
+    epoch, what its download check did, and when it had banned every attacker (a bad donor's refused state
+    bans it: swarm/suspects.py ``served_far``)."""
     first = _validations(newcomer)[0]
     honest = [acc for epoch, _, acc in honest_vals if epoch <= first[0]] or [None]
     s = summary(bench.work, run_id, "newcomer")
@@ -203,6 +207,7 @@ def _newcomer(bench: Bench, run_id: str, newcomer: Peer, honest_vals: list) -> d
         "honest_val_acc_then": honest[-1],
         "refused_downloads": s.get("refused_downloads"),
         "checked_downloads": s.get("checked_downloads"),
+        "newcomer_banned_after_s": _banned_after(s, attack_began, attacker_ids),
     }
 
 

@@ -362,6 +362,10 @@ def count_alone_exactly(tracker: Any) -> None:
     (``ready_to_update_epoch``, progress_tracker.py:127-134), which stands in for records not yet read. A
     peer alone knows its own count exactly: extrapolated from its last record, a step slower than its speed
     (a loaded machine, a batch whose non-finite gradients were skipped) ended its epoch short of the target.
+    The samples too are its own count, not its record's: hivemind's fetcher replaces the swarm's progress with
+    what its read found (progress_tracker.py:264-267), and a read that began before this peer's last reports
+    (``report_local_progress`` adds them to the swarm's count without the fetcher's lock) found a record one
+    or two batches behind: the peer then took a batch more for that epoch, or ended its run one epoch short.
     Not with DiLoCo, whose peer waits after its H local steps with nothing left to compute."""
     parse = tracker._parse_swarm_progress_data
     own = tracker._local_public_key
@@ -372,6 +376,7 @@ def count_alone_exactly(tracker: Any) -> None:
         others = [key for key, entry in entries if key != own and getattr(entry, "value", None) is not None]
         if not others and progress.epoch == tracker.local_progress.epoch:
             progress.eta_next_epoch = float("inf")
+            progress.samples_accumulated = tracker.local_progress.samples_accumulated
         return progress
 
     tracker._parse_swarm_progress_data = parsed

@@ -368,8 +368,8 @@ def test_a_peer_alone_steps_when_its_own_samples_reach_the_target(dhts, patched)
     """Item 27. A alone has stored a record of 10 samples at 100 samples/s, target 64, and computes nothing
     more (a slow step: a loaded machine, or a batch whose non-finite gradients were skipped). Plain hivemind
     extrapolates that record (optim/progress_tracker.py:305-316) and lets A step about half a second later
-    with its 10 samples; with count_alone_exactly A steps only once it counts 64. Once B's record is read,
-    A's estimate is hivemind's again."""
+    with its 10 samples; with count_alone_exactly A steps only once it counts 64, also when a read of its own
+    older record lands after its last report. Once B's record is read, A's estimate is hivemind's again."""
     target = 64
     with _two_trackers(dhts, f"pytest-rounds-alone-{patched}", target, patched=False) as (a, b):
         if patched:
@@ -383,8 +383,13 @@ def test_a_peer_alone_steps_when_its_own_samples_reach_the_target(dhts, patched)
         assert a.ready_to_update_epoch is not patched, (a.global_progress, a.local_progress)
         if patched:
             assert a.global_progress.eta_next_epoch == float("inf")
+            stale = a.dht.get(a.training_progress_key, latest=True)  # its record of 10 samples
             a.report_local_progress(0, 63)
             assert not a.ready_to_update_epoch
+            # a read that began before that report ends after it (the fetcher's assignment,
+            # progress_tracker.py:267): the count stays this peer's own, 63, not its record's 10
+            a.global_progress = a._parse_swarm_progress_data(stale.value)
+            assert a.global_progress.samples_accumulated == 63, a.global_progress
             a.report_local_progress(0, 64)
             assert a.ready_to_update_epoch
         b.performance_ema.samples_per_second = 50.0

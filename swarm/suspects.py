@@ -185,14 +185,17 @@ class Suspects:
 
     def served_far(self, peer: str, gap: float, now: float | None = None) -> bool:
         """Count a download from donor ``peer`` that the download check refused (swarm/averaging/donors.py):
-        its state lay ``gap`` times its norm from the state that most peers published for its epoch. One
-        further than ``STATE_FAR`` bans it at once (True): random numbers of an honest norm, a model with its
-        signs flipped or another run's lie about 1.4, 2 and 1 or more away, where honest peers' parameters at
-        one epoch lay at most 0.3 of their norm apart in the attack bench, after an attack had mixed them."""
+        its state's sketch lay ``gap`` times its norm from the sketches that most peers published for its
+        epoch (swarm/patches/state_averager.py ``sketch_distance``). One further than ``STATE_FAR`` bans it at
+        once (True): donors of random numbers of an honest norm lay 4.9-5.1 away in the attack bench, honest
+        DiLoCo donors refused for holding another group's anchors 0.14-0.63 in the volunteers lab. A nearer
+        one is not noted at all."""
+        if gap <= STATE_FAR:  # a NaN counts as far
+            return False
         now = time.monotonic() if now is None else now
         with self._lock:
             slot = self._find(_key(peer), True, now)
-            if slot is None or gap <= STATE_FAR:  # a NaN counts as far
+            if slot is None:
                 return False
             slot.seen = now
             slot.rounds += 1

@@ -32,8 +32,9 @@ With two senders it is always the weighted mean: a robust rule cannot outvote on
 equal (the parameters of peers in step, in a state round), it is their value.
 
 **Who is attacking.** The reducer also judges senders (swarm/suspects.py): in a gradient averager's
-process by the scale the rule gave their parts; in a state averager's process where the peers hold one
-state, by the distance of their parameters' parts from this peer's own (:func:`judge_states_here`).
+process by the scale the rule gave their parts and by the cosine of their parts with this peer's own
+(:func:`directions`); in a state averager's process where the peers hold one state, by the distance of their
+parameters' parts from this peer's own (:func:`judge_states_here`).
 
 The reducer runs in the averager processes, which inherit :data:`RULE` when they fork: :func:`use` sets it
 ("centered_clip", the default, or "mean", hivemind's own) before the averagers start.
@@ -194,6 +195,9 @@ def _reducer_class(counter: Any) -> type:
             # per sender index, in a state round: (its parts' squared distance from this peer's own parts,
             # the own parts' squared norm), summed over the round, where 3 or more sent
             self.__dict__.setdefault("state_gaps", {})
+            # per sender index: (the dot product of its parts with this peer's own parts, their squared norm,
+            # the own parts' squared norm), summed over the round, where 3 or more sent
+            self.__dict__.setdefault("sender_dirs", {})
             super().reset_accumulators()
 
         async def accumulate_part(
@@ -265,9 +269,12 @@ def _reducer_class(counter: Any) -> type:
             if norm <= 0 or share is None:
                 return
             distances = torch.linalg.vector_norm(parts - mine, dim=1) / norm * share.sqrt()
-            for sender, distance in zip(senders, distances.tolist(), strict=True):
+            dots, squares = (parts @ mine).tolist(), parts.square().sum(dim=1).tolist()
+            for sender, distance, dot, square in zip(senders, distances.tolist(), dots, squares, strict=True):
                 total, count = self.sender_far.get(sender, (0.0, 0))
                 self.sender_far[sender] = (total + distance, count + 1)
+                d, s, o = self.sender_dirs.get(sender, (0.0, 0.0, 0.0))
+                self.sender_dirs[sender] = (d + dot, s + square, o + norm * norm)
 
         def _own_part(self, parts: torch.Tensor, senders: list[int]) -> torch.Tensor | None:
             """This peer's own row of ``parts`` (one per index in ``senders``); None if it sent none."""
@@ -331,6 +338,19 @@ def state_gaps(reducer: Any) -> dict[str, float]:
     return out
 
 
+def directions(reducer: Any) -> dict[str, float]:
+    """After a gradient round of three or more senders: the cosine between each groupmate's parts and this
+    peer's own over the slice this peer reduced (by base58 PeerID; empty where this peer sent none)."""
+    dirs, senders = reducer.__dict__.get("sender_dirs"), reducer.__dict__.get("sender_peer_ids")
+    if not dirs or not senders:
+        return {}
+    out = {}
+    for index, (dot, square, own) in dirs.items():
+        if senders[index] != reducer.own_peer_id and square > 0 and own > 0:
+            out[str(senders[index])] = dot / (square * own) ** 0.5
+    return out
+
+
 def _judge_states(reducer: Any) -> None:
     """After a state round: each groupmate whose state lay further than ``STATE_FAR`` times this peer's own
     state's norm from it gets a far state round; the others' run of far rounds ends. Only if some groupmate's
@@ -358,6 +378,11 @@ def _judge_senders(reducer: Any) -> None:
     for index, (total, count) in reducer.__dict__.get("sender_far", {}).items():
         if senders[index] != reducer.own_peer_id and count and total / count > FAR_FROM_OWN:
             _suspects.noted_far(str(senders[index]))  # the round screen decides (swarm/suspects.py)
+    # the direction is judged in every such round: it compares with this peer's own part, not with the
+    # round's centre, so colluders that own the round cannot make theirs look close
+    for peer, cosine in directions(reducer).items():
+        if _suspects.noted_direction(peer, cosine):
+            log.debug("Banned %s: its gradients pointed against this peer's own", peer)
     own = [total / count for index, (total, count) in scales.items() if senders[index] == reducer.own_peer_id]
     if own and own[0] < SUSPECT_SCALE:
         return

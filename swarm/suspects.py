@@ -54,7 +54,7 @@ clip an honest gradient times -1, and the mean of three then moves a third as fa
 random direction of an honest norm. Direction can, over many rounds:
 
 - **against this peer's own gradient** (swarm/patches/robust.py ``directions``): in every gradient round of
-  three or more senders, a reducer notes the cosine between each groupmate's parts and its own over the
+  two or more senders, a reducer notes the cosine between each groupmate's parts and its own over the
   slice it reduced (:meth:`Suspects.noted_direction`). One round says little: in a 4-peer demo (900 judged
   rounds, 150 global epochs) honest groupmates' cosines had a median of 0.34, a 1st percentile of -0.36 and
   a minimum of -0.56, and their level falls as training goes on (means of 0.4-0.6 in the first third, 0.05-0.2

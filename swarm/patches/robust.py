@@ -196,7 +196,7 @@ def _reducer_class(counter: Any) -> type:
             # the own parts' squared norm), summed over the round, where 3 or more sent
             self.__dict__.setdefault("state_gaps", {})
             # per sender index: (the dot product of its parts with this peer's own parts, their squared norm,
-            # the own parts' squared norm), summed over the round, where 3 or more sent
+            # the own parts' squared norm), summed over the round, where 2 or more sent
             self.__dict__.setdefault("sender_dirs", {})
             super().reset_accumulators()
 
@@ -243,6 +243,9 @@ def _reducer_class(counter: Any) -> type:
                 if clipped and counter is not None:
                     with counter.get_lock():
                         counter.value += clipped
+                if len(kept) >= 2 and _SCORING and float(weights.min()) > 0:
+                    # directions, in rounds of two as well: a cosine with this peer's own part needs no third
+                    self._measure_directions(parts, [sender for _, _, sender in kept])
                 if len(kept) >= 3 and float(weights.min()) > 0:
                     judged = _judged_scales(scale, weights).tolist()
                     for (_, _, sender), factor in zip(kept, judged, strict=True):
@@ -269,12 +272,20 @@ def _reducer_class(counter: Any) -> type:
             if norm <= 0 or share is None:
                 return
             distances = torch.linalg.vector_norm(parts - mine, dim=1) / norm * share.sqrt()
-            dots, squares = (parts @ mine).tolist(), parts.square().sum(dim=1).tolist()
-            for sender, distance, dot, square in zip(senders, distances.tolist(), dots, squares, strict=True):
+            for sender, distance in zip(senders, distances.tolist(), strict=True):
                 total, count = self.sender_far.get(sender, (0.0, 0))
                 self.sender_far[sender] = (total + distance, count + 1)
+
+        def _measure_directions(self, parts: torch.Tensor, senders: list[int]) -> None:
+            """Each sender's part's dot product with this peer's own part, and both squared norms."""
+            mine = self._own_part(parts, senders)
+            if mine is None:
+                return
+            own = float(mine.square().sum())
+            dots, squares = (parts @ mine).tolist(), parts.square().sum(dim=1).tolist()
+            for sender, dot, square in zip(senders, dots, squares, strict=True):
                 d, s, o = self.sender_dirs.get(sender, (0.0, 0.0, 0.0))
-                self.sender_dirs[sender] = (d + dot, s + square, o + norm * norm)
+                self.sender_dirs[sender] = (d + dot, s + square, o + own)
 
         def _own_part(self, parts: torch.Tensor, senders: list[int]) -> torch.Tensor | None:
             """This peer's own row of ``parts`` (one per index in ``senders``); None if it sent none."""
@@ -339,7 +350,7 @@ def state_gaps(reducer: Any) -> dict[str, float]:
 
 
 def directions(reducer: Any) -> dict[str, float]:
-    """After a gradient round of three or more senders: the cosine between each groupmate's parts and this
+    """After a gradient round of two or more senders: the cosine between each groupmate's parts and this
     peer's own over the slice this peer reduced (by base58 PeerID; empty where this peer sent none)."""
     dirs, senders = reducer.__dict__.get("sender_dirs"), reducer.__dict__.get("sender_peer_ids")
     if not dirs or not senders:
@@ -372,17 +383,20 @@ def _judge_senders(reducer: Any) -> None:
     were clipped too (below SUSPECT_SCALE): then the round's centre was not the honest peers' (two colluding
     attackers in a group of three are its majority, and the rule scales the honest one down and them not at
     all), and the round judges nobody."""
-    scales, senders = reducer.__dict__.get("sender_scales"), reducer.__dict__.get("sender_peer_ids")
-    if not (_SCORING and scales and senders and _suspects is not None):
+    senders = reducer.__dict__.get("sender_peer_ids")
+    if not (_SCORING and senders and _suspects is not None):
+        return
+    # the direction is judged in every round of two or more: it compares with this peer's own part, not with
+    # the round's centre, so colluders that own a round cannot make theirs look close
+    for peer, cosine in directions(reducer).items():
+        if _suspects.noted_direction(peer, cosine):
+            log.debug("Banned %s: its gradients pointed against this peer's own", peer)
+    scales = reducer.__dict__.get("sender_scales")
+    if not scales:
         return
     for index, (total, count) in reducer.__dict__.get("sender_far", {}).items():
         if senders[index] != reducer.own_peer_id and count and total / count > FAR_FROM_OWN:
             _suspects.noted_far(str(senders[index]))  # the round screen decides (swarm/suspects.py)
-    # the direction is judged in every such round: it compares with this peer's own part, not with the
-    # round's centre, so colluders that own the round cannot make theirs look close
-    for peer, cosine in directions(reducer).items():
-        if _suspects.noted_direction(peer, cosine):
-            log.debug("Banned %s: its gradients pointed against this peer's own", peer)
     own = [total / count for index, (total, count) in scales.items() if senders[index] == reducer.own_peer_id]
     if own and own[0] < SUSPECT_SCALE:
         return

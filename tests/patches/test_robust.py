@@ -395,8 +395,9 @@ def test_a_peer_that_sends_random_parameters_in_state_rounds_is_banned_and_left_
 def test_a_sender_whose_gradient_points_against_the_reducers_own_is_banned_by_direction(monkeypatch):
     """A gradient times -1 has an honest size: CenteredClip among three does not clip it, so its scale never
     bans it. Its direction does: the reducer notes each groupmate's cosine with its own part, and a groupmate
-    whose last DIR_WINDOW cosines average DIR_BELOW or less is banned. An honest groupmate (cosine about 0.34
-    here, the median of the demo's honest slices) is not, in 200 rounds."""
+    whose last DIR_WINDOW cosines average DIR_BELOW or less is banned, in rounds of three and of two alike.
+    An honest groupmate (cosine about 0.34 here, the median of the demo's honest slices) is not, in 200
+    rounds of three and 200 of two."""
     import asyncio
 
     monkeypatch.setattr(robust, "_SCORING", True)  # as in a gradient averager's process
@@ -404,9 +405,9 @@ def test_a_sender_whose_gradient_points_against_the_reducers_own_is_banned_by_di
     monkeypatch.setattr(robust, "RULE", "centered_clip")
     reducer_class = robust._reducer_class(None)
 
-    async def reduce(parts: list[torch.Tensor]) -> None:
-        reducer = reducer_class([parts[0].shape], 3)
-        reducer.sender_peer_ids, reducer.own_peer_id = ["own", "honest", "flipped"], "own"
+    async def reduce(parts: list[torch.Tensor], names: tuple = ("own", "honest", "flipped")) -> None:
+        reducer = reducer_class([parts[0].shape], len(parts))
+        reducer.sender_peer_ids, reducer.own_peer_id = list(names), "own"
         await asyncio.gather(*(reducer.accumulate_part(i, 0, part, 64.0) for i, part in enumerate(parts)))
         assert reducer.finished.is_set()
 
@@ -414,10 +415,16 @@ def test_a_sender_whose_gradient_points_against_the_reducers_own_is_banned_by_di
     for seed in range(200):
         _, (a, b, c) = _gradients(seed=100 + seed, count=3, noise=1.4, size=2_000)
         asyncio.run(reduce([a, b, -c]))
+        asyncio.run(reduce([a, c], ["own", "alone"]))  # a round of two: judged by direction as well
         flipped = table.get("flipped")
         if seed < suspects.DIR_WINDOW - 1:
             assert flipped.bans == 0 and flipped.clipped == 0, flipped
         elif seed == suspects.DIR_WINDOW - 1:
             assert flipped.bans == 1 and flipped.ban_direction <= suspects.DIR_BELOW, flipped
             assert "pointed against this peer's own" in suspects.why_banned(flipped)
-    assert table.get("honest").bans == 0, table.get("honest")
+    assert table.get("honest").bans == 0 and table.get("alone").bans == 0, table.suspects()
+    # the same gradient times -1 in rounds of two: banned after as many rounds
+    for seed in range(suspects.DIR_WINDOW):
+        _, (a, b) = _gradients(seed=400 + seed, count=2, noise=1.4, size=2_000)
+        asyncio.run(reduce([a, -b], ["own", "paired"]))
+    assert table.get("paired").bans == 1, table.get("paired")

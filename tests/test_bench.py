@@ -310,5 +310,4 @@ def test_an_attack_row_counts_each_honest_peers_bans_of_every_attacker():
     assert [len(_bans(s, attackers)) for s in (both, one)] == [2, 1]
     assert [_banned_after(s, began) for s in (both, one)] == [4.0, 2.0]  # any groupmate's first ban
     assert _peer_id("/ip4/127.0.0.1/tcp/1/p2p/12D3KooWabc") == "12D3KooWabc"
-    assert {row.seconds for row in ROWS if row.attackers > 1} == {60.0}
-    assert {row.seconds for row in ROWS if row.attackers == 1} == {30.0}
+    assert {row.seconds for row in ROWS} == {60.0}  # the goal's window, with one attacker or two

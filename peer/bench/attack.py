@@ -35,13 +35,10 @@ from typing import Any
 
 from peer.bench.harness import Bench, Options, Peer, fmt, summary, table
 
-ATTACK_SECONDS = (
-    60.0  # how long the attacker takes part before everyone is told to leave (SIGTERM): the goal's
-)
-# window for a ban by every honest peer
-# with two attackers among five: the goal is a ban by every honest peer within 60 s, and five peers on two
-# cores take about 27 rounds in that time
-TWO_ATTACKERS_SECONDS = 60.0
+# how long an attacker takes part before everyone is told to leave (SIGTERM): the goal's window for a ban by
+# every honest peer (a flip at x -1 takes 16 judged rounds to ban, and on two cores an honest peer meets an
+# attacker in 11-16 rounds a minute; five peers take about 27 rounds a minute)
+ATTACK_SECONDS = 60.0
 VALIDATION = re.compile(r"Validation at global epoch (\d+): loss (\S+), acc ([\d.]+),")
 ALWAYS = "x1000000000"  # every local step from the fault's epoch on
 
@@ -60,7 +57,7 @@ class Row:
     @property
     def seconds(self) -> float:
         """How long the attack lasts before everyone is told to leave."""
-        return TWO_ATTACKERS_SECONDS if self.attackers > 1 else ATTACK_SECONDS
+        return ATTACK_SECONDS
 
 
 ROWS = (

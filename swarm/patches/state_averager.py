@@ -164,6 +164,10 @@ class _SettledState:
         self.round_filter: Any = None  # the bad_state fault: changes the parameters this peer sends in rounds
         self._swarm_only_donor: bytes | None = None  # item 23, in the averager process: the one donor to ask
         super().__init__(*args, **kwargs)  # starts the thread that serves the state
+        # a donor whose refused state shares nothing with the swarm's is banned only where the peers are meant
+        # to hold one state: DiLoCo's peers (extra tensors: their inner moments) hold their groups' anchors,
+        # and an honest one lay 1.2 times its norm from the most-published state in the volunteers lab
+        self.bans_bad_donors = not self.extra_tensors
 
     def run(self: Any) -> None:
         # the averager's own process: where the peers are meant to hold one state (no extra tensors: those
@@ -348,7 +352,8 @@ class _SettledState:
         by the screen, then by ``check_download`` against the state that the other peers published for its
         epoch. A contradicted state is undone, with this peer's own epoch, and its donor is not asked again
         for ``REFUSE_FOR`` seconds; one that shares nothing with the swarm's (further than ``STATE_FAR``)
-        also bans its donor from this peer's groups (swarm/suspects.py ``served_far``)."""
+        also bans its donor from this peer's groups (swarm/suspects.py ``served_far``), where the peers are
+        meant to hold one state (``bans_bad_donors``)."""
         result = None
         for donor in self._donors()[:DONORS_TRIED]:
             name = donor.to_base58()
@@ -363,7 +368,7 @@ class _SettledState:
                 return result
             self.refused_donors[name] = time.monotonic() + REFUSE_FOR
             gap, suspects = self.check_download.last_gap, robust.suspects()
-            if gap is not None and suspects is not None:
+            if gap is not None and suspects is not None and self.bans_bad_donors:
                 suspects.served_far(name, gap)  # a state that shares nothing with the swarm's: a ban
             if self.on_refused is not None:
                 self.on_refused(name, refused)

@@ -817,8 +817,14 @@ def _newcomer_honest_and_random_nets() -> tuple[list[torch.nn.Module], list[torc
     return nets, honest
 
 
-@PLAIN_OR_PATCHED
-def test_colluding_donors_that_claim_the_newest_epoch_and_serve_random_numbers_are_outvoted(request, patched):
+@pytest.mark.parametrize(
+    "patched, diloco",
+    [(False, False), (True, False), (True, True)],
+    ids=["plain hivemind", "patched", "diloco"],
+)
+def test_colluding_donors_that_claim_the_newest_epoch_and_serve_random_numbers_are_outvoted(
+    request, patched, diloco
+):
     """Item 23. hivemind downloads from the donor that declares the highest priority (averaging/averager.py:
     689-702) and loads whatever it serves whose epoch is not behind (optim/state_averager.py:672). D declares
     priority 6 and serves, at epoch 5, random numbers of each honest tensor's own norm (which the screen lets
@@ -826,7 +832,10 @@ def test_colluding_donors_that_claim_the_newest_epoch_and_serve_random_numbers_a
     honest, hold one state at epoch 5 and publish its sketch (B is a donor of priority 5). On plain hivemind
     the newcomer A takes D's state. With the swarm's state averager and a DonorCheck, A refuses it (2 records
     for it, 3 against), undoes it, and takes B's (3 for, 2 against); D is not asked again, and since its
-    state shares nothing with the swarm's, A bans it from its groups."""
+    state shares nothing with the swarm's, A bans it from its groups. A DiLoCo peer (a state averager with
+    extra tensors: its inner moments) refuses D's state as well, but bans nobody: DiLoCo's honest peers hold
+    their groups' anchors, and an honest donor lay 1.2 times its norm from the most-published state in the
+    volunteers lab."""
     from swarm import suspects
     from swarm.averaging.donors import DonorCheck
     from swarm.patches import robust
@@ -838,6 +847,15 @@ def test_colluding_donors_that_claim_the_newest_epoch_and_serve_random_numbers_a
     a, b, d = _averagers(_class(patched), nodes, nets, prefix)
     refused: list = []
     if patched:
+        assert a.bans_bad_donors  # no extra tensors: the peers are meant to hold one state
+        if diloco:
+            sgd = partial(torch.optim.SGD, lr=0.1)
+            built = _class(True)(
+                dht=nodes[0], params=nets[0].parameters(), prefix=f"{prefix}-diloco", optimizer=sgd,
+                start=False, extra_tensors=(torch.zeros(3),),
+            )  # fmt: skip
+            assert not built.bans_bad_donors
+            a.bans_bad_donors = False  # as a DiLoCo peer's state averager sets it
         a.screen, a.on_rejected = RoundScreen(10.0), lambda *args: refused.append(("screen", *args))
         a.check_download = DonorCheck(nodes[0], run, a.peer_id.to_base58())
         a.on_refused = lambda donor, reason: refused.append((donor, reason))
@@ -863,8 +881,12 @@ def test_colluding_donors_that_claim_the_newest_epoch_and_serve_random_numbers_a
             assert "2 hold the downloaded one" in reason, reason
             assert a.check_download.refused == 1 and a.check_download.checked == 1
             assert d.peer_id.to_base58() in a.refused_donors
-            # its state shares nothing with the swarm's: banned from A's groups (swarm/suspects.py)
+            # its state shares nothing with the swarm's: banned from A's groups (swarm/suspects.py), unless
+            # A is a DiLoCo peer
             banned = robust.suspects().get(d.peer_id.to_base58())
+            if diloco:
+                assert banned is None, banned
+                return
             assert banned is not None and banned.banned_for > 0 and banned.ban_served, banned
             assert banned.ban_gap > 1.0, banned
             assert suspects.why_banned(banned).startswith("the state it served as a donor shared nothing")

@@ -232,8 +232,9 @@ class Suspects:
         its state's sketch lay ``gap`` times its norm from the sketches that most peers published for its
         epoch (swarm/patches/state_averager.py ``sketch_distance``). One further than ``STATE_FAR`` bans it at
         once (True): donors of random numbers of an honest norm lay 4.9-5.1 away in the attack bench, honest
-        DiLoCo donors refused for holding another group's anchors 0.14-0.63 in the volunteers lab. A nearer
-        one is not noted at all."""
+        DiLoCo donors refused for holding another group's anchors 0.14-0.63 in the volunteers lab, and once
+        1.2 (so a DiLoCo peer calls this for no donor: state_averager.py ``bans_bad_donors``). A nearer one is
+        not noted at all."""
         if gap <= STATE_FAR:  # a NaN counts as far
             return False
         now = time.monotonic() if now is None else now

@@ -62,7 +62,7 @@ random direction of an honest norm. Direction can, over many rounds:
   so its cosine with this peer's own averages zero or more however noisy it is (a smaller batch, late in
   training), and a gradient times -1 averages as far below zero as honest ones lie above it (-0.2 to -0.8
   in the attack bench). A groupmate whose last ``DIR_WINDOW`` (16) cosines average ``DIR_BELOW`` (-0.3) or
-  less is banned; in that demo the lowest mean of 16 in a row was -0.01 (of 12 means of 10 in a row,
+  less is banned; in that demo the lowest mean of 16 in a row was -0.01 (of 10 in a row,
   -0.09). The comparison is with this peer's own part, not with the round's centre, so colluders that own
   a round cannot make theirs look close. A random direction averages zero and is not banned this way; late
   in training, when honest cosines average near zero, neither is a gradient times -1 (it then does little).
@@ -196,8 +196,8 @@ class Suspects:
             slot.dirs[slot.dir_filled % DIR_WINDOW] = cosine
             slot.dir_filled += 1
             slot.seen = now
-            mean = _direction(slot)
-            if slot.banned_until > now or slot.dir_filled < DIR_WINDOW or mean > DIR_BELOW:
+            mean = _direction(slot)  # 1 until the window is full
+            if slot.banned_until > now or mean > DIR_BELOW:
                 return False
             slot.rounds += 1
             slot.clipped += 1

@@ -178,7 +178,8 @@ def _name_suspects(
             )
         log.warning(
             "Peer %s is banned by %d of %d peers at global epoch %d: its gradients or parameters were far "
-            "from its groupmates' round after round (a peer that sends wrong numbers); %s",
+            "from, against or unrelated to its groupmates' round after round (a peer that sends wrong "
+            "numbers); %s",
             peer,
             banning,
             point.peers,

@@ -191,7 +191,8 @@ def render(status: SwarmStatus, now: float | None = None) -> str:
         for peer, banning in sorted(banned_counts(status.records).items()):
             lines.append(
                 f"  suspect:        {peer} is banned by {banning} of {len(status.records)} peers (its "
-                "gradients or parameters were far from its groupmates' round after round)"
+                "gradients or parameters were far from, against or unrelated to its groupmates' round after "
+                "round)"
             )
         lines.append(f"  {'peer':<20}{'epoch':>7}{'samples/s':>11}{'loss':>9}{'val acc':>12}{'rejected':>10}")
         for r in status.records:

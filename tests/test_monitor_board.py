@@ -202,7 +202,7 @@ def test_status_names_the_peers_that_peers_ban():
     text = render(SwarmStatus("run", "addr", records=records, reachability="loopback only"))
     assert (
         "  suspect:        12D3KooWattacker is banned by 2 of 3 peers (its gradients or parameters were far "
-        "from its groupmates' round after round)"
+        "from, against or unrelated to its groupmates' round after round)"
     ) in text.splitlines(), text
 
 
@@ -244,8 +244,8 @@ def test_the_monitor_names_each_banned_peer_once_with_what_to_do(caplog):
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith(
         "Peer 12D3KooWattacker is banned by 2 of 3 peers at global epoch 41: its gradients or parameters "
-        "were far from its groupmates' round after round (a peer that sends wrong numbers); this swarm is "
-        "open to anyone"
+        "were far from, against or unrelated to its groupmates' round after round (a peer that sends wrong "
+        "numbers); this swarm is open to anyone"
     ), line
 
 

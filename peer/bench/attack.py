@@ -85,6 +85,7 @@ ROWS = (
     Row("state rounds: random parameters", "bad_state@+2", "screen, robust mean", (), honest=3, attackers=2),
     Row("donor: random parameters", "bad_donor@+2", "download check", (), honest=3, attackers=2, newcomer=()),
     Row("x -1 (sign-flipped)", f"flip_grad:1@+2{ALWAYS}", "screen, robust mean", (), honest=3, attackers=2),
+    Row("random, honest norm", f"random_grad@+2{ALWAYS}", "screen, robust mean", (), honest=3, attackers=2),
 )
 NEWCOMER_AFTER = 8.0  # seconds from the attack's start to the newcomer's (the donor's record is paced at 5 s)
 

@@ -196,7 +196,8 @@ def _reducer_class(counter: Any) -> type:
             # the own parts' squared norm), summed over the round, where 3 or more sent
             self.__dict__.setdefault("state_gaps", {})
             # per sender index: (the dot product of its parts with this peer's own parts, their squared norm,
-            # the own parts' squared norm), summed over the round, where 2 or more sent
+            # the own parts' squared norm, the sum of the squares of their products number by number, the
+            # numbers compared), summed over the round, where 2 or more sent
             self.__dict__.setdefault("sender_dirs", {})
             super().reset_accumulators()
 
@@ -277,15 +278,19 @@ def _reducer_class(counter: Any) -> type:
                 self.sender_far[sender] = (total + distance, count + 1)
 
         def _measure_directions(self, parts: torch.Tensor, senders: list[int]) -> None:
-            """Each sender's part's dot product with this peer's own part, and both squared norms."""
+            """Each sender's part's dot product with this peer's own part, both squared norms, the sum of
+            the squares of their products number by number (the dot product's variance, were the sender's
+            signs unrelated to this peer's) and the part's size."""
             mine = self._own_part(parts, senders)
             if mine is None:
                 return
-            own = float(mine.square().sum())
-            dots, squares = (parts @ mine).tolist(), parts.square().sum(dim=1).tolist()
-            for sender, dot, square in zip(senders, dots, squares, strict=True):
-                d, s, o = self.sender_dirs.get(sender, (0.0, 0.0, 0.0))
-                self.sender_dirs[sender] = (d + dot, s + square, o + own)
+            own, size = float(mine.square().sum()), mine.numel()
+            products = parts * mine
+            dots, squares = products.sum(dim=1).tolist(), parts.square().sum(dim=1).tolist()
+            spreads = products.square().sum(dim=1).tolist()
+            for sender, dot, square, spread in zip(senders, dots, squares, spreads, strict=True):
+                d, s, o, v, n = self.sender_dirs.get(sender, (0.0, 0.0, 0.0, 0.0, 0))
+                self.sender_dirs[sender] = (d + dot, s + square, o + own, v + spread, n + size)
 
         def _own_part(self, parts: torch.Tensor, senders: list[int]) -> torch.Tensor | None:
             """This peer's own row of ``parts`` (one per index in ``senders``); None if it sent none."""
@@ -349,16 +354,20 @@ def state_gaps(reducer: Any) -> dict[str, float]:
     return out
 
 
-def directions(reducer: Any) -> dict[str, float]:
-    """After a gradient round of two or more senders: the cosine between each groupmate's parts and this
-    peer's own over the slice this peer reduced (by base58 PeerID; empty where this peer sent none)."""
+def directions(reducer: Any) -> dict[str, tuple[float, float, int]]:
+    """After a gradient round of two or more senders, for each groupmate (by base58 PeerID; empty where this
+    peer sent none), over the slice this peer reduced: the cosine between its parts and this peer's own;
+    their dot product in standard deviations of what it would be were its signs unrelated to this peer's
+    (``dot / sqrt(sum((mine_i * its_i)^2))``: about normal with a variance of 1 for a random direction,
+    however its size is spread over the numbers); the slice's size."""
     dirs, senders = reducer.__dict__.get("sender_dirs"), reducer.__dict__.get("sender_peer_ids")
     if not dirs or not senders:
         return {}
     out = {}
-    for index, (dot, square, own) in dirs.items():
+    for index, (dot, square, own, spread, size) in dirs.items():
         if senders[index] != reducer.own_peer_id and square > 0 and own > 0:
-            out[str(senders[index])] = dot / (square * own) ** 0.5
+            z = dot / spread**0.5 if spread > 0 else 0.0
+            out[str(senders[index])] = (dot / (square * own) ** 0.5, z, size)
     return out
 
 
@@ -388,9 +397,9 @@ def _judge_senders(reducer: Any) -> None:
         return
     # the direction is judged in every round of two or more: it compares with this peer's own part, not with
     # the round's centre, so colluders that own a round cannot make theirs look close
-    for peer, cosine in directions(reducer).items():
-        if _suspects.noted_direction(peer, cosine):
-            log.debug("Banned %s: its gradients pointed against this peer's own", peer)
+    for peer, (cosine, z, size) in directions(reducer).items():
+        if _suspects.noted_direction(peer, cosine, z, size):
+            log.debug("Banned %s: its gradients pointed against, or were unrelated to, this peer's own", peer)
     scales = reducer.__dict__.get("sender_scales")
     if not scales:
         return

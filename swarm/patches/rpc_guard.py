@@ -37,6 +37,7 @@ from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
 
 from swarm.patches import allreduce, robust
 from swarm.patches._registry import Patch
+from swarm.suspects import why_banned
 
 log = logging.getLogger(__name__)
 _GATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DHT -> gate; forked into each averager
@@ -92,10 +93,7 @@ class _Banning:
         text = str(peer_id)
         found = None if _TO_BANNED.get() else self._suspects.get(text)
         if found is not None and found.banned_for > 0:
-            why = (
-                f"peer {text} is banned by this peer for {found.banned_for:.0f} s more: its gradients were "
-                "far from its groupmates'"
-            )
+            why = f"peer {text} is banned by this peer: {why_banned(found)}"
             if (text, found.bans) not in self._warned:  # once per ban
                 self._warned.add((text, found.bans))
                 log.warning("Refused %s: %s", role, why)

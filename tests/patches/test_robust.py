@@ -428,3 +428,67 @@ def test_a_sender_whose_gradient_points_against_the_reducers_own_is_banned_by_di
         _, (a, b) = _gradients(seed=400 + seed, count=2, noise=1.4, size=2_000)
         asyncio.run(reduce([a, -b], ["own", "paired"]))
     assert table.get("paired").bans == 1, table.get("paired")
+
+
+def test_a_sender_whose_gradient_is_unrelated_to_the_reducers_own_is_banned(monkeypatch):
+    """Random directions of an honest norm average a cosine of zero with this peer's gradient, as a flip does
+    late in training, so the mean cannot tell them. Their spread can: a random direction's dot product with
+    this peer's part lies within a few standard deviations of zero (the deviation it would have were its
+    signs unrelated to ours), an honest gradient's much further, however noisy (it shares the descent
+    direction). A groupmate whose last UNRELATED_ROUNDS dot products all lay within UNRELATED_Z of them is
+    banned, in rounds of three and of two; honest groupmates whose cosines average 0.1 (as late in training
+    in the demo) are not, in 200 rounds of each. The random direction has each tensor's honest norm, as the
+    attack bench's has: a few large numbers do not make it look related."""
+    import asyncio
+
+    monkeypatch.setattr(robust, "_SCORING", True)
+    monkeypatch.setattr(robust, "_suspects", suspects.Suspects())
+    monkeypatch.setattr(robust, "RULE", "centered_clip")
+    reducer_class = robust._reducer_class(None)
+    size = 20_000
+
+    async def reduce(parts: list[torch.Tensor], names: list[str]) -> None:
+        reducer = reducer_class([parts[0].shape], len(parts))
+        reducer.sender_peer_ids, reducer.own_peer_id = names, "own"
+        await asyncio.gather(*(reducer.accumulate_part(i, 0, part, 64.0) for i, part in enumerate(parts)))
+        assert reducer.finished.is_set()
+
+    # two "tensors", the first 1,000 numbers 4 times larger than the rest: most of the sum of the squared
+    # products lies in them, and an honest groupmate's dot product lies about 7 deviations from zero (the
+    # demo's honest ones: a median of 12-14, lower late in training)
+    scale = torch.ones(size)
+    scale[:1_000] = 4.0
+    tensors = (slice(0, 1_000), slice(1_000, size))
+
+    def gradients(seed: int, count: int) -> list[torch.Tensor]:
+        _, found = _gradients(seed=seed, count=count, noise=3.0, size=size)  # cosines about 0.1
+        return [vector * scale for vector in found]
+
+    def noise_like(vector: torch.Tensor, seed: int) -> torch.Tensor:
+        """A random direction of ``vector``'s norm in each tensor (the attack bench's ``random_grad``)."""
+        noise = torch.randn(vector.shape, generator=torch.Generator().manual_seed(seed))
+        for part in tensors:
+            noise[part] *= vector[part].norm() / noise[part].norm()
+        return noise
+
+    table, banned_at = robust.suspects(), None
+    for seed in range(200):
+        a, b, c = gradients(1_000 + seed, 3)
+        asyncio.run(reduce([a, b, noise_like(c, seed)], ["own", "honest", "random"]))
+        asyncio.run(reduce([a, c], ["own", "alone"]))
+        randomised = table.get("random")
+        if seed < suspects.UNRELATED_ROUNDS - 1:
+            assert randomised.bans == 0, (seed, randomised)
+        # a random direction's dot product lies beyond UNRELATED_Z now and then (0.3 % of rounds for a
+        # normal one), which starts the count again: banned within twice the rounds
+        banned_at = seed if randomised.bans and banned_at is None else banned_at
+    assert banned_at is not None and banned_at < 2 * suspects.UNRELATED_ROUNDS, (banned_at, randomised)
+    assert randomised.bans == 1 and randomised.ban_unrelated and randomised.ban_direction == 0.0, randomised
+    assert "unrelated to this peer's own" in suspects.why_banned(randomised)
+    assert table.get("honest").bans == 0 and table.get("alone").bans == 0, table.suspects()
+    # in rounds of two, and where a random round now and then is followed by an honest one (the run resets)
+    for seed in range(2 * suspects.UNRELATED_ROUNDS):
+        a, b = gradients(3_000 + seed, 2)
+        asyncio.run(reduce([a, noise_like(b, seed)], ["own", "paired"]))
+        asyncio.run(reduce([a, noise_like(b, seed) if seed % 4 else b], ["own", "sometimes"]))
+    assert table.get("paired").bans == 1 and table.get("sometimes").bans == 0, table.suspects()

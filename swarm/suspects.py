@@ -74,10 +74,10 @@ random direction of an honest norm. Direction can, over many rounds:
   gradient shares the descent direction, however noisy: in 4-peer demos its dot product lay a median of
   12-14 standard deviations from zero; 5.6 % of the rounds lay within 3 in one of 160 global epochs (958
   judged rounds), 9.6 % in one of 300 (1,794; up to a quarter of a pair's rounds in the last epochs, when
-  the model has little left to learn), and never more than 3 rounds in a row (within 4: 4 in a row). A
-  random gradient of an honest norm lay within 2.2 in every round of the attack bench. A groupmate whose
-  last ``UNRELATED_ROUNDS`` (12) judged rounds all lay within ``UNRELATED_Z`` (3) is banned (slices of at
-  least ``UNRELATED_MIN_SIZE`` numbers count; one related round starts the count again).
+  the model has little left to learn), and never more than 4 rounds in a row. A random gradient of an honest
+  norm lay within 3 in 97 of 98 judged rounds of the attack bench. A groupmate whose last
+  ``UNRELATED_ROUNDS`` (12) judged rounds all lay within ``UNRELATED_Z`` (3) is banned (slices of at least
+  ``UNRELATED_MIN_SIZE`` numbers count; one related round starts the count again).
 
 A groupmate whose last ``WINDOW`` judged scales (at least ``MIN_JUDGED`` of them) average below
 ``BAN_BELOW`` is banned for ``BAN_SECONDS`` (each later ban of the same peer lasts twice as long as the one

@@ -6,6 +6,7 @@ import contextlib
 import glob
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -91,9 +92,17 @@ def test_sigterm_and_sigint_leave_cleanly(peers, tmp_path):
     second = PeerProcess(
         "second", ["join", *common, "--peer-name", "second", "--seed", "2", "--initial-peers", address], peers
     )
-    # signalled once the two train together: a line of the newcomer's that shows a round on the group's
-    # average ("peers 2" alone is not enough: right after a join, each can step alone for a second or two)
-    second.wait_for(r"\| epoch \d+ \| peers 2 \| .*, averaged [1-9]", timeout=180)
+    # signalled once the two train together: the newcomer's lines show two rounds on the group's average
+    # ("peers 2" alone is not enough: right after a join, each can step alone for a second or two). Two, not
+    # one: the survivor may end the epoch of the newcomer's last round a moment after the newcomer logged it,
+    # after the signal, and the check below looks for the newcomer's last two rounds before the signal
+    averaged_line = re.compile(r"\| epoch \d+ \| peers 2 \| .*, averaged (\d+)/")
+
+    def averaged_rounds() -> int:
+        return sum(int(m.group(1)) for line in list(second.lines) if (m := averaged_line.search(line)))
+
+    wait_until(lambda: averaged_rounds() >= 2, timeout=180, interval=0.2)
+    assert averaged_rounds() >= 2, second.output()[-3000:]
 
     signalled_at = time.time()
     code, seconds = _signal_group_and_time_exit(second, signal.SIGTERM, limit=10)

@@ -118,16 +118,26 @@ def test_compressed_averaging_stays_within_its_expected_error(spec, low, high, w
 
 
 def test_powersgd_is_exact_on_low_rank_gradients_and_lossy_on_full_rank_ones():
+    """hivemind's PowerSGD averager draws each peer's starting Q with ``torch.rand`` from the global
+    generator, and orthogonalises ``M @ Q`` in float32: how exact a low-rank round is depends on that draw
+    (the same arithmetic on 400 draws: median 3.8e-6, 7 above 1e-4, the worst 4.7e-4, as Q's uniform columns
+    are nearly parallel). The draw is fixed here, so that the check is the same in every run."""
     # gradients of rank 2 on each peer: their mean has rank <= 4, which a rank-4 factorisation holds exactly
     peers = [_gaussian(1, rank=2), _gaussian(2, rank=2)]
     want = [(a + b) / 2 for a, b in zip(*peers, strict=True)]
-    for got in _average_once("powersgd:4", peers):
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        averaged = _average_once("powersgd:4", peers)
+    for got in averaged:
         assert _rel_error(got[0], want[0]) < 1e-4, _rel_error(got[0], want[0])
         assert torch.allclose(got[1], want[1], atol=1e-6)  # vectors are averaged whole
     # full-rank gradients lose most of their energy in one round (error feedback returns it later)
     peers = [_gaussian(3), _gaussian(4)]
     want = [(a + b) / 2 for a, b in zip(*peers, strict=True)]
-    for got in _average_once("powersgd:4", peers):
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        averaged = _average_once("powersgd:4", peers)
+    for got in averaged:
         assert 0.5 < _rel_error(got[0], want[0]) < 1.0
 
 

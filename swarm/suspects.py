@@ -227,8 +227,10 @@ class Suspects:
                 return False
             slot.rounds += 1
             slot.clipped += 1
-            _ban(slot, now, 0.0, gap=0.0, direction=mean if mean <= DIR_BELOW else 0.0)
-            slot.ban_unrelated = int(mean > DIR_BELOW)
+            if mean <= DIR_BELOW:
+                _ban(slot, now, 0.0, gap=0.0, direction=mean)
+            else:
+                _ban(slot, now, 0.0, gap=0.0, unrelated=True)
             return True
 
     def noted_state(self, peer: str, gap: float, now: float | None = None) -> bool:
@@ -319,13 +321,19 @@ class Suspects:
 
 
 def _ban(
-    slot: _Slot, now: float, scale: float, gap: float, served: bool = False, direction: float = 0.0
+    slot: _Slot,
+    now: float,
+    scale: float,
+    gap: float,
+    served: bool = False,
+    direction: float = 0.0,
+    unrelated: bool = False,
 ) -> None:
     slot.banned_until = now + min(MAX_BAN_SECONDS, BAN_SECONDS * 2**slot.bans)
     slot.bans += 1
     slot.first_banned = slot.first_banned or time.time()
     slot.ban_scale, slot.ban_gap, slot.ban_served, slot.ban_dir = scale, gap, int(served), direction
-    slot.ban_unrelated = 0
+    slot.ban_unrelated = int(unrelated)
     slot.filled = slot.dir_filled = slot.unrelated = 0  # judged afresh after the ban
 
 

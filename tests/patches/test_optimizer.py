@@ -53,12 +53,15 @@ def _screened_gradient_pair(dhts, prefix: str, own_scale: Any = None):
 
 
 @contextmanager
-def _lone_optimizer(node: hivemind.DHT, run: str, optimizer: Any = None) -> Iterator[hivemind.Optimizer]:
+def _lone_optimizer(
+    node: hivemind.DHT, run: str, optimizer: Any = None, chunk_timeout: float | None = None
+) -> Iterator[hivemind.Optimizer]:
     """A hivemind.Optimizer on ``node`` built as swarm/averaging/strategy.py builds it: around an optimizer
     of the module's parameters (``optimizer`` of them; SGD, lr 1, by default), so that hivemind runs the
     update on them without the tensor lock (no offloading, ``reuse_tensors`` False), with the swarm's
     gradient averager; and short rounds: a round pre-scheduled with nobody to find fails at
-    AVERAGING_TIMEOUT."""
+    AVERAGING_TIMEOUT. ``chunk_timeout`` is hivemind's ``next_chunk_timeout`` (by default its
+    matchmaking_time, 0.5 s here), the wait for each chunk of a download as of an all-reduce."""
     net = torch.nn.Linear(4, 3)
     opt = hivemind.Optimizer(
         dht=node,
@@ -68,6 +71,7 @@ def _lone_optimizer(node: hivemind.DHT, run: str, optimizer: Any = None) -> Iter
         batch_size_per_step=4,
         matchmaking_time=MATCHMAKING_TIME,
         averaging_timeout=AVERAGING_TIMEOUT,
+        next_chunk_timeout=chunk_timeout,
         averager_opts={"request_timeout": 1.0},
         delay_state_averaging=False,  # as swarm/averaging/strategy.py: the epoch's state round is awaited
         grad_averager_factory=grad_averager.round_averager(partial(GradientAverager, request_timeout=1.0)),
@@ -646,7 +650,9 @@ def test_a_peer_behind_an_epoch_that_no_donor_serves_trains_on_instead_of_downlo
     claimer = ProgressTracker(node_c, run, target_batch_size=8, private_key=RSAPrivateKey(), start=True)
     try:
         claimer.report_local_progress(10**6, 1)
-        with _lone_optimizer(node_a, run) as opt:
+        # plain hivemind downloads at every step, up to 40 times in a row: with the 0.5 s wait per chunk one
+        # of them could time out on a loaded machine, though D served it (kept had a False)
+        with _lone_optimizer(node_a, run, chunk_timeout=10.0) as opt:
             if patched:
                 wiring.decide_downloads_after_refusals(opt)
             download, downloads, kept = opt.load_state_from_peers, [], []

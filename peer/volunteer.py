@@ -352,8 +352,9 @@ class SwarmReporter(L.Callback):
         )
         # the swarm's records are read in the background: the answer to a read started at an earlier
         # epoch is used once it is there (waiting for it held up training by about 50 ms per epoch). They
-        # only feed the swarm's speed on the progress line, so they are read at most every READ_METRICS_EVERY
-        # seconds, not at every epoch (2 reads a second with the scaling bench's 0.45 s epochs)
+        # feed the swarm's speed on the progress line and the bans other peers publish, so they are read at
+        # most every READ_METRICS_EVERY seconds, not at every epoch (2 reads a second with the scaling
+        # bench's 0.45 s epochs)
         self.last_record = record
         reading, records = self._reading, None
         try:
@@ -376,6 +377,9 @@ class SwarmReporter(L.Callback):
             return
         fresh = [r for r in records.values() if r.global_epoch >= reading[1] - 2]
         self.swarm_sps = sum(r.samples_per_second for r in fresh) if fresh else None
+        table = robust.suspects()
+        if table is not None:  # other peers' bans: half the evidence then bans here (swarm/suspects.py)
+            suspects.note_published_bans(table, fresh, self.peer_id)
 
     def _progress_line(self, module: L.LightningModule) -> None:
         from hivemind.utils import get_dht_time

@@ -184,3 +184,32 @@ def test_a_peer_lingers_until_the_monitor_has_read_every_peers_final_metrics(two
     # a monitor of an older release says nothing of the metrics it read: its evaluation is enough
     old = metrics.MonitorRecord(saved_epoch=final, time=get_dht_time())
     assert old.filed_epoch is None and old.holds(final) and not old.holds(final + 1)
+
+
+def test_bans_that_other_peers_publish_are_noted_unless_the_publisher_is_banned_here(two_nodes):
+    """A peer reads the bans in the others' records (swarm/suspects.py ``note_published_bans``): another
+    peer's ban counts here as half the evidence, never as a ban. Its own record, a ban of itself and a
+    publisher's ban of itself are skipped, and so is every ban published by a peer that it bans."""
+    from swarm import suspects
+
+    a, key_a, b, key_b = two_nodes
+    own, other = a.peer_id.to_base58(), b.peer_id.to_base58()
+    mine = _record(peer_name="a", peer_id=own, banned=["QmOwnBan"])
+    theirs = _record(peer_name="b", peer_id=other, banned=["QmTheirBan", own, other])
+    assert metrics.publish(a, RUN_ID, key_a, mine, expiration=30).result(timeout=10)
+    assert metrics.publish(b, RUN_ID, key_b, theirs, expiration=30).result(timeout=10)
+    assert wait_until(lambda: len(metrics.fetch(a, RUN_ID)) == 2, timeout=10), metrics.fetch(a, RUN_ID)
+    records = metrics.fetch(a, RUN_ID)
+
+    table = suspects.Suspects()
+    assert suspects.note_published_bans(table, records.values(), own) == ["QmTheirBan"]
+    noted = table.get("QmTheirBan")
+    assert noted.seen_banned and noted.banned_for == 0 and noted.rounds == 0, noted
+    assert table.get("QmOwnBan") is None and table.get(own) is None and table.get(other) is None
+    # once this peer bans B, B's word counts for nothing here
+    table = suspects.Suspects()
+    for _ in range(suspects.MIN_JUDGED):
+        table.record(other, 0.0)
+    assert table.banned_for(other) > 0
+    assert suspects.note_published_bans(table, records.values(), own) == []
+    assert table.get("QmTheirBan") is None

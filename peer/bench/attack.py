@@ -171,6 +171,9 @@ def _one(bench: Bench, run_id: str, row: Row) -> None:
         # and how many of them it banned
         "all_banned_after_s": [_banned_after(x, attack_began, attacker_ids) for x in s],
         "attackers_banned": [len(_bans(x, attacker_ids)) for x in s],
+        # per honest peer: honest groupmates it banned (an attacker's published bans of honest peers lower
+        # the bar they must clear, swarm/suspects.py note_published_bans)
+        "honest_banned": [len(_bans(x)) - len(_bans(x, attacker_ids)) for x in s],
     }
     if newcomer is not None:
         record.update(_newcomer(bench, run_id, newcomer, vals, attack_began, attacker_ids))

@@ -492,3 +492,49 @@ def test_a_sender_whose_gradient_is_unrelated_to_the_reducers_own_is_banned(monk
         asyncio.run(reduce([a, noise_like(b, seed)], ["own", "paired"]))
         asyncio.run(reduce([a, noise_like(b, seed) if seed % 4 else b], ["own", "sometimes"]))
     assert table.get("paired").bans == 1 and table.get("sometimes").bans == 0, table.suspects()
+
+
+def test_another_peers_ban_halves_the_evidence_a_groupmates_directions_need(monkeypatch):
+    """Where another peer publishes a ban of a groupmate (swarm/suspects.py ``saw_banned``), this peer's
+    reducer bans it after SEEN_UNRELATED_ROUNDS unrelated rounds in a row (not UNRELATED_ROUNDS) or once
+    its last SEEN_DIR_WINDOW cosines average DIR_BELOW or less: its own rounds still decide. An honest
+    groupmate that an attacker accuses (cosines about 0.1, as late in training) is not banned in 200 rounds
+    of three and of two."""
+    import asyncio
+
+    monkeypatch.setattr(robust, "_SCORING", True)
+    monkeypatch.setattr(robust, "_suspects", suspects.Suspects())
+    monkeypatch.setattr(robust, "RULE", "centered_clip")
+    reducer_class = robust._reducer_class(None)
+    size = 20_000
+
+    async def reduce(parts: list[torch.Tensor], names: list[str]) -> None:
+        reducer = reducer_class([parts[0].shape], len(parts))
+        reducer.sender_peer_ids, reducer.own_peer_id = names, "own"
+        await asyncio.gather(*(reducer.accumulate_part(i, 0, part, 64.0) for i, part in enumerate(parts)))
+        assert reducer.finished.is_set()
+
+    table, banned_at = robust.suspects(), {}
+    for seed in range(200):
+        for peer in ("random", "flipped", "accused", "accused-pair"):
+            table.saw_banned(peer)  # as each read of the swarm's records does
+        _, (a, b, c, d) = _gradients(seed=5_000 + seed, count=4, noise=3.0, size=size)  # cosines about 0.1
+        noise = torch.randn(size, generator=torch.Generator().manual_seed(seed)) * c.norm() / size**0.5
+        asyncio.run(reduce([a, b, noise], ["own", "accused", "random"]))
+        # a clear flip: cosines about -0.34, as a x -1 groupmate's early in training
+        _, (e, f) = _gradients(seed=7_000 + seed, count=2, noise=1.4, size=size)
+        asyncio.run(reduce([e, -f], ["own", "flipped"]))
+        asyncio.run(reduce([a, d], ["own", "accused-pair"]))
+        for peer in ("random", "flipped"):
+            if table.get(peer).bans and peer not in banned_at:
+                banned_at[peer] = seed
+    # before UNRELATED_ROUNDS could have banned it (a random dot product beyond UNRELATED_Z starts the count
+    # again now and then)
+    assert suspects.SEEN_UNRELATED_ROUNDS - 1 <= banned_at.get("random", 99) < suspects.UNRELATED_ROUNDS - 1
+    assert banned_at.get("flipped") == suspects.SEEN_DIR_WINDOW - 1 < suspects.DIR_WINDOW - 1, banned_at
+    randomised, flipped = table.get("random"), table.get("flipped")
+    assert randomised.ban_unrelated and randomised.ban_seen and flipped.ban_seen, (randomised, flipped)
+    assert "6 judged rounds in a row" in suspects.why_banned(randomised), suspects.why_banned(randomised)
+    assert "and another peer banned it" in suspects.why_banned(flipped), suspects.why_banned(flipped)
+    assert table.get("accused").bans == 0 and table.get("accused-pair").bans == 0, table.suspects()
+    assert table.get("accused").seen_banned

@@ -7,6 +7,8 @@ round ends on some of the numbers (a rare fresh-clone failure of the x -8 test).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -392,12 +394,10 @@ def test_a_peer_that_sends_random_parameters_in_state_rounds_is_banned_and_left_
             table.clear()
 
 
-def test_a_sender_whose_gradient_points_against_the_reducers_own_is_banned_by_direction(monkeypatch):
-    """A gradient times -1 has an honest size: CenteredClip among three does not clip it, so its scale never
-    bans it. Its direction does: the reducer notes each groupmate's cosine with its own part, and a groupmate
-    whose last DIR_WINDOW cosines average DIR_BELOW or less is banned, in rounds of three and of two alike.
-    An honest groupmate (cosine about 0.34 here, the median of the demo's honest slices) is not, in 200
-    rounds of three and 200 of two."""
+def _judging_reducer(monkeypatch) -> Callable[[list[torch.Tensor], list[str]], None]:
+    """``reduce(parts, names)``: one slice reduced by the swarm's reducer class (CenteredClip) as a gradient
+    averager's process reduces it, judging each sender (``names``; the first part is this peer's own, "own")
+    into a fresh suspects table, ``robust.suspects()``."""
     import asyncio
 
     monkeypatch.setattr(robust, "_SCORING", True)  # as in a gradient averager's process
@@ -405,17 +405,28 @@ def test_a_sender_whose_gradient_points_against_the_reducers_own_is_banned_by_di
     monkeypatch.setattr(robust, "RULE", "centered_clip")
     reducer_class = robust._reducer_class(None)
 
-    async def reduce(parts: list[torch.Tensor], names: tuple = ("own", "honest", "flipped")) -> None:
+    async def reduced(parts: list[torch.Tensor], names: list[str]) -> None:
         reducer = reducer_class([parts[0].shape], len(parts))
         reducer.sender_peer_ids, reducer.own_peer_id = list(names), "own"
         await asyncio.gather(*(reducer.accumulate_part(i, 0, part, 64.0) for i, part in enumerate(parts)))
         assert reducer.finished.is_set()
 
+    return lambda parts, names: asyncio.run(reduced(parts, names))
+
+
+def test_a_sender_whose_gradient_points_against_the_reducers_own_is_banned_by_direction(monkeypatch):
+    """A gradient times -1 has an honest size: CenteredClip among three does not clip it, so its scale never
+    bans it. Its direction does: the reducer notes each groupmate's cosine with its own part, and a groupmate
+    whose last DIR_WINDOW cosines average DIR_BELOW or less is banned, in rounds of three and of two alike.
+    An honest groupmate (cosine about 0.34 here, the median of the demo's honest slices) is not, in 200
+    rounds of three and 200 of two."""
+    reduce = _judging_reducer(monkeypatch)
+
     table = robust.suspects()
     for seed in range(200):
         _, (a, b, c) = _gradients(seed=100 + seed, count=3, noise=1.4, size=2_000)
-        asyncio.run(reduce([a, b, -c]))
-        asyncio.run(reduce([a, c], ["own", "alone"]))  # a round of two: judged by direction as well
+        reduce([a, b, -c], ["own", "honest", "flipped"])
+        reduce([a, c], ["own", "alone"])  # a round of two: judged by direction as well
         flipped = table.get("flipped")
         if seed < suspects.DIR_WINDOW - 1:
             assert flipped.bans == 0 and flipped.clipped == 0, flipped
@@ -426,7 +437,7 @@ def test_a_sender_whose_gradient_points_against_the_reducers_own_is_banned_by_di
     # the same gradient times -1 in rounds of two: banned after as many rounds
     for seed in range(suspects.DIR_WINDOW):
         _, (a, b) = _gradients(seed=400 + seed, count=2, noise=1.4, size=2_000)
-        asyncio.run(reduce([a, -b], ["own", "paired"]))
+        reduce([a, -b], ["own", "paired"])
     assert table.get("paired").bans == 1, table.get("paired")
 
 
@@ -439,19 +450,7 @@ def test_a_sender_whose_gradient_is_unrelated_to_the_reducers_own_is_banned(monk
     banned, in rounds of three and of two; honest groupmates whose cosines average 0.1 (as late in training
     in the demo) are not, in 200 rounds of each. The random direction has each tensor's honest norm, as the
     attack bench's has: a few large numbers do not make it look related."""
-    import asyncio
-
-    monkeypatch.setattr(robust, "_SCORING", True)
-    monkeypatch.setattr(robust, "_suspects", suspects.Suspects())
-    monkeypatch.setattr(robust, "RULE", "centered_clip")
-    reducer_class = robust._reducer_class(None)
-    size = 20_000
-
-    async def reduce(parts: list[torch.Tensor], names: list[str]) -> None:
-        reducer = reducer_class([parts[0].shape], len(parts))
-        reducer.sender_peer_ids, reducer.own_peer_id = names, "own"
-        await asyncio.gather(*(reducer.accumulate_part(i, 0, part, 64.0) for i, part in enumerate(parts)))
-        assert reducer.finished.is_set()
+    reduce, size = _judging_reducer(monkeypatch), 20_000
 
     # two "tensors", the first 1,000 numbers 4 times larger than the rest: most of the sum of the squared
     # products lies in them, and an honest groupmate's dot product lies about 7 deviations from zero (the
@@ -474,8 +473,8 @@ def test_a_sender_whose_gradient_is_unrelated_to_the_reducers_own_is_banned(monk
     table, banned_at = robust.suspects(), None
     for seed in range(200):
         a, b, c = gradients(1_000 + seed, 3)
-        asyncio.run(reduce([a, b, noise_like(c, seed)], ["own", "honest", "random"]))
-        asyncio.run(reduce([a, c], ["own", "alone"]))
+        reduce([a, b, noise_like(c, seed)], ["own", "honest", "random"])
+        reduce([a, c], ["own", "alone"])
         randomised = table.get("random")
         if seed < suspects.UNRELATED_ROUNDS - 1:
             assert randomised.bans == 0, (seed, randomised)
@@ -489,8 +488,8 @@ def test_a_sender_whose_gradient_is_unrelated_to_the_reducers_own_is_banned(monk
     # in rounds of two, and where a random round now and then is followed by an honest one (the run resets)
     for seed in range(2 * suspects.UNRELATED_ROUNDS):
         a, b = gradients(3_000 + seed, 2)
-        asyncio.run(reduce([a, noise_like(b, seed)], ["own", "paired"]))
-        asyncio.run(reduce([a, noise_like(b, seed) if seed % 4 else b], ["own", "sometimes"]))
+        reduce([a, noise_like(b, seed)], ["own", "paired"])
+        reduce([a, noise_like(b, seed) if seed % 4 else b], ["own", "sometimes"])
     assert table.get("paired").bans == 1 and table.get("sometimes").bans == 0, table.suspects()
 
 
@@ -500,19 +499,7 @@ def test_another_peers_ban_halves_the_evidence_a_groupmates_directions_need(monk
     its last SEEN_DIR_WINDOW cosines average DIR_BELOW or less: its own rounds still decide. An honest
     groupmate that an attacker accuses (cosines about 0.1, as late in training) is not banned in 200 rounds
     of three and of two."""
-    import asyncio
-
-    monkeypatch.setattr(robust, "_SCORING", True)
-    monkeypatch.setattr(robust, "_suspects", suspects.Suspects())
-    monkeypatch.setattr(robust, "RULE", "centered_clip")
-    reducer_class = robust._reducer_class(None)
-    size = 20_000
-
-    async def reduce(parts: list[torch.Tensor], names: list[str]) -> None:
-        reducer = reducer_class([parts[0].shape], len(parts))
-        reducer.sender_peer_ids, reducer.own_peer_id = names, "own"
-        await asyncio.gather(*(reducer.accumulate_part(i, 0, part, 64.0) for i, part in enumerate(parts)))
-        assert reducer.finished.is_set()
+    reduce, size = _judging_reducer(monkeypatch), 20_000
 
     table, banned_at = robust.suspects(), {}
     for seed in range(200):
@@ -520,11 +507,11 @@ def test_another_peers_ban_halves_the_evidence_a_groupmates_directions_need(monk
             table.saw_banned(peer)  # as each read of the swarm's records does
         _, (a, b, c, d) = _gradients(seed=5_000 + seed, count=4, noise=3.0, size=size)  # cosines about 0.1
         noise = torch.randn(size, generator=torch.Generator().manual_seed(seed)) * c.norm() / size**0.5
-        asyncio.run(reduce([a, b, noise], ["own", "accused", "random"]))
+        reduce([a, b, noise], ["own", "accused", "random"])
         # a clear flip: cosines about -0.34, as a x -1 groupmate's early in training
         _, (e, f) = _gradients(seed=7_000 + seed, count=2, noise=1.4, size=size)
-        asyncio.run(reduce([e, -f], ["own", "flipped"]))
-        asyncio.run(reduce([a, d], ["own", "accused-pair"]))
+        reduce([e, -f], ["own", "flipped"])
+        reduce([a, d], ["own", "accused-pair"])
         for peer in ("random", "flipped"):
             if table.get(peer).bans and peer not in banned_at:
                 banned_at[peer] = seed

@@ -120,22 +120,15 @@ class SwarmReporter(L.Callback):
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.stop.install()  # Lightning wraps SIGTERM for its own use; this role decides how to stop
         if self.cfg.swarm.min_peers > 1 and self.publisher is not None:
-            # the optimizer and its averagers are up (Lightning set the strategy up): say so, and wait
-            self.publisher.mark_ready()
-            seen = wait_for_peers(self.publisher, self.cfg.swarm.min_peers, self.stop.event)
-            if not self.stop.event.is_set():
-                within = 10.0
-                met = self.strategy.meet_peers(self.cfg.swarm.min_peers, self.stop.event, within)
-                if met < self.cfg.swarm.min_peers and not self.stop.event.is_set():
-                    log.warning(
-                        "%d training peers of the run are ready, but only %d showed their progress within "
-                        "%.0f s; starting anyway",
-                        seen,
-                        met,
-                        within,
-                    )
-                else:
-                    log.info("%d %s", seen, STARTING)
+            try:
+                self._wait_for_min_peers()
+            except KeyboardInterrupt:  # the stop cut a DHT read short: the group's signal ended the daemon
+                if not self.stop.event.is_set():
+                    raise
+            if self.stop.event.is_set():  # told to leave while waiting: nothing trained, nothing to validate
+                log.info("%s before training; leaving the swarm", self.stop.reason)
+                trainer.should_stop = True
+                return
         self.started = time.time()
         self.gpu = GpuSampler(next(module.parameters()).device).start()  # NVML; nothing on a CPU
         self.cpu = CpuMeter().start()  # this trainer and its helper processes, while it trains
@@ -151,6 +144,26 @@ class SwarmReporter(L.Callback):
         self.next_log = time.time() + self.cfg.train.log_every
         self.line_samples, self.line_start = 0, time.time()
         self._reset_window()
+
+    def _wait_for_min_peers(self) -> None:
+        """The optimizer and its averagers are up (Lightning set the strategy up): say so, and wait for
+        ``--min-peers`` training peers, or until this peer is told to leave."""
+        self.publisher.mark_ready()
+        seen = wait_for_peers(self.publisher, self.cfg.swarm.min_peers, self.stop.event)
+        if self.stop.event.is_set():
+            return
+        within = 10.0
+        met = self.strategy.meet_peers(self.cfg.swarm.min_peers, self.stop.event, within)
+        if met < self.cfg.swarm.min_peers and not self.stop.event.is_set():
+            log.warning(
+                "%d training peers of the run are ready, but only %d showed their progress within %.0f s; "
+                "starting anyway",
+                seen,
+                met,
+                within,
+            )
+        else:
+            log.info("%d %s", seen, STARTING)
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.stop.disarm()  # teardown follows: an interrupt must not cut it short

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import socket
+import urllib.request
 
 import pytest
 import torch
@@ -116,6 +117,9 @@ def s3_server(monkeypatch):
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
+    # moto keeps its buckets in the process, not in the server: a test before this one in the same worker
+    # left its objects there (a listing found another test's checkpoint), so each test starts empty
+    urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST"))
     try:
         yield f"http://{host}:{port}"
     finally:

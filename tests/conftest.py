@@ -20,11 +20,10 @@ lean_daemon_env()  # the p2p daemons of the tests' own hivemind nodes run as the
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests marked ``first`` (those that take 30 s or more: several peers or ranks) run first. `make
-    test` spreads the suite over two workers (pytest-xdist), which hand tests out in this order: the longest
-    test, last in file order, started as the other worker ran out of tests and ended the suite alone (the
-    last 50 s of 643). With ``--dist worksteal`` a worker that runs out takes half of what the other has not
-    begun, but not its last two: with the long tests first, the suite ends on short ones."""
+    """The tests marked ``first`` run first. `make test` spreads the suite over two workers (pytest-xdist),
+    which hand tests out in this order: the longest test, last in file order, started as the other worker ran
+    out of tests and ended the suite alone (the last 50 s of 643). With ``--dist worksteal`` a worker that
+    runs out takes half of what the other has not begun, so the two end about one test apart."""
     items.sort(key=lambda item: item.get_closest_marker("first") is None)  # stable: the rest keep their order
 
 

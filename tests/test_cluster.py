@@ -163,7 +163,6 @@ def test_fsdp_on_cpu_shards_and_saves_a_plain_checkpoint(peers, loopback, tmp_pa
 
 
 # the FSDP variant (30 s more) runs in `make test-slow`
-@pytest.mark.first
 @pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_a_killed_rank_under_torchrun_resumes_from_the_snapshot(peers, loopback, tmp_path, strategy):
     """torchrun --max-restarts=1: rank 1 is SIGKILLed at global epoch 5 (a lost machine); torchrun restarts
@@ -229,7 +228,6 @@ def test_multinode_form_two_torchrun_agents(peers, loopback, tmp_path):
     assert "Validation at" not in agents[1].output(), "node 1 must not log"
 
 
-@pytest.mark.first
 def test_report_on_a_swarm_run_and_a_ddp_run(peers, loopback, tmp_path):
     from PIL import Image
 

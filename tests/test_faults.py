@@ -85,7 +85,6 @@ def _leave(peer: PeerProcess) -> None:
     assert peer.wait(timeout=30) == 0, peer.output()[-3000:]
 
 
-@pytest.mark.first
 def test_faulty_peer_never_shares_nonfinite_numbers_and_a_mismatched_newcomer_is_refused(peers, tmp_path):
     run = "pytest-faulty"
     _, address = _bootstrap(peers, run, tmp_path)

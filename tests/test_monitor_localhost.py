@@ -15,7 +15,6 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
 import torch
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
@@ -89,7 +88,6 @@ def hostile_nodes(address: str):
         remove_stale_sockets(since=opened, exclude_own=True, settle=3.0)
 
 
-@pytest.mark.first
 def test_monitor_logs_evaluates_checkpoints_and_survives_a_restart(peers, tmp_path):
     started = time.time()
     log_dir = tmp_path / "runs"

@@ -59,7 +59,6 @@ def _stop_leftover_peer(nb: nbformat.NotebookNode) -> None:
                 pass
 
 
-@pytest.mark.first
 def test_the_notebook_joins_a_swarm_trains_and_shows_its_status(peers, tmp_path):
     common = ["--config", "demo", "--run-id", RUN_ID, "--log-dir", str(tmp_path), "--threads", "1"]
     # 32 steps of 32 per global epoch

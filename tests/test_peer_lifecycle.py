@@ -70,7 +70,6 @@ def test_a_second_signal_does_not_cut_an_orderly_shutdown_short():
     assert "Traceback" not in done.stderr, done.stderr
 
 
-@pytest.mark.first
 def test_sigterm_and_sigint_leave_cleanly(peers, tmp_path):
     common = [
         "--config",
@@ -530,7 +529,6 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.first
 def test_a_demo_stopped_by_sigterm_stops_its_peers_first(peers, tmp_path):
     """`kill`, `timeout` or a service manager signals the demo's own process only: its monitor and peers run
     in process groups of their own, and must not be left behind, training on with nobody reading their

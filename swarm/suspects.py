@@ -187,7 +187,7 @@ class Suspects:
         self._slots = ctx.RawArray(_Slot, SLOTS)
         self._lock = ctx.Lock()
 
-    def _find(self, key: bytes, create: bool, now: float) -> _Slot | None:
+    def _find(self, key: bytes, create: bool, now: float, evict: bool = True) -> _Slot | None:
         free = oldest = None
         for slot in self._slots:
             if slot.peer == key:
@@ -198,8 +198,8 @@ class Suspects:
                 oldest = slot
         if not create:
             return None
-        slot = free if free is not None else oldest
-        if slot is None:  # every slot holds a banned peer
+        slot = free if free is not None else oldest if evict else None
+        if slot is None:  # every slot holds a banned peer (or a judged one, and ``evict`` is False)
             return None
         ctypes.memset(ctypes.addressof(slot), 0, ctypes.sizeof(_Slot))
         slot.peer = key
@@ -258,17 +258,19 @@ class Suspects:
                 _ban(slot, now, 0.0, gap=0.0, unrelated=True, seen=seen)
             return True
 
-    def saw_banned(self, peer: str, now: float | None = None) -> None:
+    def saw_banned(self, peer: str, now: float | None = None) -> bool:
         """Note that another peer publishes a ban of ``peer`` (:func:`note_published_bans`): for
         ``SEEN_BANNED_FOR`` seconds this peer's judges ban it on half the evidence of its directions
         (``SEEN_UNRELATED_ROUNDS`` unrelated rounds in a row, or the mean of its last ``SEEN_DIR_WINDOW``
         cosines at ``DIR_BELOW`` or less). Not a ban, nor a judged round: this peer's own rounds must show
-        it."""
+        it. A peer not in the table takes a free slot only: records full of made-up PeerIDs never push out
+        what this peer judged (an attacker's own count of unrelated rounds, say). True if it was noted."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            slot = self._find(_key(peer), True, now)
+            slot = self._find(_key(peer), True, now, evict=False)
             if slot is not None:
                 slot.seen_banned_until = now + SEEN_BANNED_FOR
+            return slot is not None
 
     def noted_state(self, peer: str, gap: float, now: float | None = None) -> bool:
         """Count a state round in which ``peer``'s state lay ``gap`` times this peer's own state's norm from
@@ -460,7 +462,6 @@ def note_published_bans(table: Suspects, records: Iterable[Any], own: str | None
         if not publisher or publisher == own or table.banned_for(publisher) > 0:
             continue
         for peer in getattr(record, "banned", None) or ():
-            if peer not in (own, publisher) and peer not in noted:
-                table.saw_banned(peer)
+            if peer not in (own, publisher) and peer not in noted and table.saw_banned(peer):
                 noted.append(peer)
     return noted

@@ -213,3 +213,25 @@ def test_bans_that_other_peers_publish_are_noted_unless_the_publisher_is_banned_
     assert table.banned_for(other) > 0
     assert suspects.note_published_bans(table, records.values(), own) == []
     assert table.get("QmTheirBan") is None
+
+
+def test_published_bans_of_made_up_peers_never_push_a_judged_peer_out_of_the_table():
+    """The table has SLOTS places. Bans of PeerIDs this peer never judged take free places only: a record
+    full of made-up PeerIDs cannot push out a groupmate's run of unrelated rounds (an attacker resetting its
+    own count), and once the table is full they are not noted."""
+    from types import SimpleNamespace
+
+    from swarm import suspects
+
+    table = suspects.Suspects()
+    for i in range(suspects.SLOTS - 1):
+        table.noted_direction(f"judged{i}", 0.0, z=0.5, size=4096)  # one unrelated round each
+    made_up = [f"made-up{i}" for i in range(16)]
+    record = SimpleNamespace(peer_id="publisher", banned=made_up)
+    assert suspects.note_published_bans(table, [record], own="me") == ["made-up0"]  # one free place
+    assert table.get("made-up0").seen_banned and table.get("made-up1") is None
+    assert all(table.get(f"judged{i}") is not None for i in range(suspects.SLOTS - 1))
+    # a peer this peer judges is marked in its own place
+    record = SimpleNamespace(peer_id="publisher", banned=["judged7"])
+    assert suspects.note_published_bans(table, [record], own="me") == ["judged7"]
+    assert table.get("judged7").seen_banned

@@ -458,10 +458,10 @@ def note_published_bans(table: Suspects, records: Iterable[Any], own: str | None
     (in 4-peer demos no more than 4 unrelated rounds in a row, against 6)."""
     noted = []
     for record in records:
-        publisher = getattr(record, "peer_id", None)
+        publisher = record.peer_id
         if not publisher or publisher == own or table.banned_for(publisher) > 0:
             continue
-        for peer in getattr(record, "banned", None) or ():
+        for peer in record.banned or ():
             if peer not in (own, publisher) and peer not in noted and table.saw_banned(peer):
                 noted.append(peer)
     return noted

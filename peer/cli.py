@@ -529,7 +529,8 @@ if __name__ == "__main__":
     "attacks",
     multiple=True,
     help="attack: only the rows whose attacker column contains this text (repeat for several; "
-    "'none' for the run without an attacker) [default: every row].",
+    "'none' for the runs without an attacker, which run first in any case, as the rows' baselines) "
+    "[default: every row].",
 )
 @click.option(
     "--peak-tflops", type=float, default=None, help="step: the GPU's dense bf16 peak, if not known."

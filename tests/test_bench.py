@@ -310,4 +310,27 @@ def test_an_attack_row_counts_each_honest_peers_bans_of_every_attacker():
     assert [len(_bans(s, attackers)) for s in (both, one)] == [2, 1]
     assert [_banned_after(s, began) for s in (both, one)] == [4.0, 2.0]  # any groupmate's first ban
     assert _peer_id("/ip4/127.0.0.1/tcp/1/p2p/12D3KooWabc") == "12D3KooWabc"
-    assert {row.seconds for row in ROWS} == {60.0}  # the goal's window, with one attacker or two
+    # the goal's window, with one attacker or two; the baselines train longer (honest peers start at once)
+    assert {row.seconds for row in ROWS if row.fault} == {60.0}
+    assert {row.seconds for row in ROWS if not row.fault} == {120.0}
+
+
+def test_attack_rows_run_after_a_baseline_of_as_many_honest_peers_and_are_compared_after_as_long():
+    """Each attack row is compared with a run without an attacker and as many honest peers, run first in the
+    same call, at the same seconds of training; a baseline that did not train as long gives no figure."""
+    from peer.bench.attack import ROWS, Timeline, run_order
+
+    order = run_order(("honest norm",))
+    assert [ROWS[n].attack for n, _ in order] == ["none", "none"] + ["random, honest norm"] * 2
+    assert [row.honest for _, row in order] == [2, 3, 2, 3]
+    assert [row.honest for _, row in run_order(("x -8",))][:2] == [2, 3]
+    only_two = run_order(("x -4",))
+    assert [(r.attack, r.honest) for _, r in only_two] == [("none", 2), ("x -4 (sign-flipped)", 2)]
+    assert all(r.fault is None for _, r in run_order(("none",))) and len(run_order(("none",))) == 2
+    assert len(run_order(())) == len(ROWS)  # every row once, baselines first
+    assert [r.fault for _, r in run_order(())][:2] == [None, None]
+
+    baseline = Timeline([(20.0, 3, 0.5), (41.5, 6, 0.8), (80.0, 12, 0.9)], trained_s=100.0)
+    assert baseline.acc_at(41.5) == 0.8 and baseline.acc_at(79.9) == 0.8 and baseline.acc_at(95.0) == 0.9
+    assert baseline.acc_at(10.0) is None  # no validation yet
+    assert baseline.acc_at(100.1) is None  # it did not train that long

@@ -24,7 +24,9 @@ honest peers it turns the mean uphill only for e > n, the x -4 and x -8 rows.)
 
 Each row: the honest peers' val acc before the attack and after it, what they rejected and clipped, and
 how long after the attack began each honest peer banned the attacker (swarm/suspects.py). The
-rows of one call run one after another on the same machine."""
+rows of one call run one after another on the same machine, the rows without an attacker first (one for each
+number of honest peers that the chosen rows have, chosen or not): each attack row's ``val_acc_without`` is
+the val acc that the same first honest peer (same seed) had in that run after the same time of training."""
 
 from __future__ import annotations
 
@@ -39,6 +41,10 @@ from peer.bench.harness import Bench, Options, Peer, fmt, summary, table
 # every honest peer (a flip at x -1 takes 16 judged rounds to ban, and on two cores an honest peer meets an
 # attacker in 11-16 rounds a minute; five peers take about 27 rounds a minute)
 ATTACK_SECONDS = 60.0
+# a row without an attacker trains this much longer: its honest peers start at once, where an attack row's
+# window opens only when its attackers have joined and injected (20-40 s on two cores), so that it covers
+# every attack row's time of training
+BASELINE_EXTRA_SECONDS = 60.0
 VALIDATION = re.compile(r"Validation at global epoch (\d+): loss (\S+), acc ([\d.]+),")
 ALWAYS = "x1000000000"  # every local step from the fault's epoch on
 
@@ -56,8 +62,9 @@ class Row:
 
     @property
     def seconds(self) -> float:
-        """How long the attack lasts before everyone is told to leave."""
-        return ATTACK_SECONDS
+        """How long the attack lasts before everyone is told to leave (a row without an attacker: longer,
+        to serve as the attack rows' baseline)."""
+        return ATTACK_SECONDS if self.fault is not None else ATTACK_SECONDS + BASELINE_EXTRA_SECONDS
 
 
 ROWS = (
@@ -69,6 +76,7 @@ ROWS = (
     Row("x -1 (sign-flipped)", f"flip_grad:1@+2{ALWAYS}", "screen, robust mean", (), honest=2),
     Row("random, honest norm", f"random_grad@+2{ALWAYS}", "screen, robust mean", (), honest=2),
     Row("none", None, "screen, robust mean", (), honest=2),
+    Row("none", None, "screen, robust mean", (), honest=3),
     Row("donor: random parameters", "bad_donor@+2", "download check", (), honest=2, newcomer=()),
     Row(
         "donor: random parameters",
@@ -97,14 +105,53 @@ def _validations(peer: Peer) -> list[tuple[int, float, float]]:
 
 def run(bench: Bench, opts: Options) -> None:
     stamp = int(time.time())
-    for n, row in enumerate(ROWS):
-        if not opts.attacks or any(word in row.attack for word in opts.attacks):
-            _one(bench, f"bench-attack-{stamp}-{n}", row)
+    baselines: dict[int, Timeline] = {}
+    for n, row in run_order(opts.attacks):
+        timeline = _one(bench, f"bench-attack-{stamp}-{n}", row, baselines.get(row.honest))
+        if row.fault is None:
+            baselines[row.honest] = timeline
 
 
-def _one(bench: Bench, run_id: str, row: Row) -> None:
+def run_order(attacks: tuple[str, ...]) -> list[tuple[int, Row]]:
+    """The rows whose attacker column contains one of ``attacks`` (all, if none given), each with its index
+    in ROWS, after the rows without an attacker for every number of honest peers among them."""
+    chosen = [(n, row) for n, row in enumerate(ROWS) if not attacks or any(w in row.attack for w in attacks)]
+    counts = {row.honest for _, row in chosen}
+    first = [(n, row) for n, row in enumerate(ROWS) if row.fault is None and row.honest in counts]
+    return first + [(n, row) for n, row in chosen if row.fault is not None]
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The first honest peer's validations, each as (seconds of training, global epoch, val acc), counted
+    from its first training line; ``trained_s``: how long it trained until it was told to leave."""
+
+    vals: list[tuple[float, int, float]]
+    trained_s: float
+
+    def acc_at(self, seconds: float) -> float | None:
+        """Its val acc after ``seconds`` of training: the last validation by then (None if it did not train
+        that long, or had not validated yet)."""
+        if seconds > self.trained_s:
+            return None
+        done = [acc for t, _, acc in self.vals if t <= seconds]
+        return done[-1] if done else None
+
+
+def _timeline(peer: Peer, ended: float) -> Timeline:
+    start = peer.line_time(r"\| epoch \d+ \|")
+    vals = []
+    for when, line in zip(peer.times, peer.lines, strict=False):
+        found = VALIDATION.search(line)
+        if found:
+            vals.append((round(when - start, 1), int(found.group(1)), float(found.group(3))))
+    return Timeline(vals, round(ended - start, 1))
+
+
+def _one(bench: Bench, run_id: str, row: Row, baseline: Timeline | None = None) -> Timeline:
     """Bootstrap, the honest peers, then the attacker (or a third honest peer's wait, for "none") once they
-    train; everyone leaves the row's ``seconds`` after the attack began."""
+    train; everyone leaves the row's ``seconds`` after the attack began. Returns the first honest peer's
+    validations over time; ``baseline``: the same from a row without an attacker and as many honest peers."""
     common = ["--config", "demo", "--run-id", run_id, "--log-dir", str(bench.work)]
     started: list[Peer] = []
 
@@ -144,6 +191,7 @@ def _one(bench: Bench, run_id: str, row: Row) -> None:
             newcomer = join("newcomer", *row.newcomer, seed=3, address=address)
             newcomer.wait_for(VALIDATION.pattern, timeout=180)
         time.sleep(max(0.0, attack_began + row.seconds - time.time()))
+        ended = time.time()
         codes = [p.stop(grace=60) for p in started[1:]]
     finally:
         for p in started:
@@ -151,6 +199,8 @@ def _one(bench: Bench, run_id: str, row: Row) -> None:
     if any(codes):
         raise RuntimeError(f"{run_id}: a peer failed (exit codes {codes}); logs in {bench.work}")
     vals = _validations(honest[0])
+    timeline = _timeline(honest[0], ended)
+    at = timeline.vals[-1][0] if timeline.vals else None
     s = [summary(bench.work, run_id, f"honest{i}") for i in range(1, row.honest + 1)]
     before = [acc for epoch, _, acc in vals if epoch <= attack][-2:]
     after = [(epoch - attack, loss, acc) for epoch, loss, acc in vals if epoch > attack]
@@ -160,10 +210,17 @@ def _one(bench: Bench, run_id: str, row: Row) -> None:
         "defence": row.defence,
         "honest_peers": row.honest,
         "attackers": 0 if row.fault is None else row.attackers,
+        "peers": row.honest + (0 if row.fault is None else row.attackers),
         "attack_epoch": attack,
         "attack_seconds": row.seconds,
         "val_acc_before": before,
         "val_after": after,  # of the first honest peer: (global epochs after the attack began, val loss, acc)
+        # the first honest peer's last val acc, after val_acc_at_s seconds of training, and the val acc that
+        # the same peer had after as long in the run without an attacker (None: no such run, or a shorter one)
+        "val_acc": timeline.vals[-1][2] if timeline.vals else None,
+        "val_acc_at_s": at,
+        "val_acc_without": None if baseline is None or at is None else baseline.acc_at(at),
+        "trained_s": timeline.trained_s,
         **{key: sum(x[key] for x in s) for key in REJECTED},
         # per honest peer: seconds from the attack's first step to its ban of a groupmate (None: no ban)
         "banned_after_s": [_banned_after(x, attack_began) for x in s],
@@ -192,9 +249,12 @@ def _one(bench: Bench, run_id: str, row: Row) -> None:
         f"{[acc for _, _, acc in after[:3]]} in the 9 epochs after, {end}; rejected "
         + ", ".join(f"{record[key]} {key.replace('_', ' ')}" for key in REJECTED)
         + f"; attacker banned after {record['banned_after_s']} s"
-        + (f", every attacker after {record['all_banned_after_s']} s" if row.attackers > 1 else ""),
+        + (f", every attacker after {record['all_banned_after_s']} s" if row.attackers > 1 else "")
+        + f"; val acc {fmt(record['val_acc'])} after {at} s of training, "
+        f"{fmt(record['val_acc_without'])} without an attacker",
         flush=True,
     )
+    return timeline
 
 
 def _newcomer(
@@ -264,6 +324,9 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
             ", ".join(fmt(a) for a in r["val_acc_before"]),
             ", ".join(fmt(acc) for _, _, acc in after[:3]) or "-",
             f"{fmt(end[2])} / {fmt(end[1])} at +{end[0]}" if end else "-",
+            f"{fmt(r.get('val_acc'))} / {fmt(r.get('val_acc_without'))} after {r.get('val_acc_at_s', '-')} s"
+            if r.get("attackers")
+            else "-",
             f"{r['rejected_gradient_rounds']} / {r['rejected_state_rounds']} / {r['rejected_downloads']}",
             r.get("clipped_parts", "-"),
             ", ".join("-" if b is None else f"{b:g}" for b in r.get("banned_after_s", [])) or "-",
@@ -276,6 +339,7 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
         "val acc, last 2 before the attack",
         "val acc at +3, +6, +9 epochs",
         "val acc / val loss at the end",
+        "val acc / without an attacker, after as long",
         "rejected gradient rounds / state rounds / downloads",
         "parts clipped by the robust mean",
         "attacker banned after (s), per honest peer",

@@ -334,3 +334,11 @@ def test_attack_rows_run_after_a_baseline_of_as_many_honest_peers_and_are_compar
     assert baseline.acc_at(41.5) == 0.8 and baseline.acc_at(79.9) == 0.8 and baseline.acc_at(95.0) == 0.9
     assert baseline.acc_at(10.0) is None  # no validation yet
     assert baseline.acc_at(100.1) is None  # it did not train that long
+    assert (
+        baseline.acc_at_epoch(6) == 0.8
+        and baseline.acc_at_epoch(11) == 0.8
+        and baseline.acc_at_epoch(12) == 0.9
+    )
+    assert (
+        baseline.acc_at_epoch(2) is None and baseline.acc_at_epoch(13) is None
+    )  # before its first, past its last

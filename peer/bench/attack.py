@@ -137,6 +137,14 @@ class Timeline:
         done = [acc for t, _, acc in self.vals if t <= seconds]
         return done[-1] if done else None
 
+    def acc_at_epoch(self, epoch: int) -> float | None:
+        """Its val acc at global epoch ``epoch``: the last validation at or before it (None if it did not get
+        that far, or had not validated yet)."""
+        if not self.vals or self.vals[-1][1] < epoch:
+            return None
+        done = [acc for _, e, acc in self.vals if e <= epoch]
+        return done[-1] if done else None
+
 
 def _timeline(peer: Peer, ended: float) -> Timeline:
     start = peer.line_time(r"\| epoch \d+ \|")
@@ -220,6 +228,11 @@ def _one(bench: Bench, run_id: str, row: Row, baseline: Timeline | None = None) 
         "val_acc": timeline.vals[-1][2] if timeline.vals else None,
         "val_acc_at_s": at,
         "val_acc_without": None if baseline is None or at is None else baseline.acc_at(at),
+        # and at the same global epoch: what the attack did to the swarm's steps, apart from their pace (on
+        # one machine the attackers' processes also take CPU that the honest peers have to themselves without)
+        "val_acc_without_same_epoch": baseline.acc_at_epoch(timeline.vals[-1][1])
+        if baseline is not None and timeline.vals
+        else None,
         "trained_s": timeline.trained_s,
         **{key: sum(x[key] for x in s) for key in REJECTED},
         # per honest peer: seconds from the attack's first step to its ban of a groupmate (None: no ban)
@@ -251,7 +264,8 @@ def _one(bench: Bench, run_id: str, row: Row, baseline: Timeline | None = None) 
         + f"; attacker banned after {record['banned_after_s']} s"
         + (f", every attacker after {record['all_banned_after_s']} s" if row.attackers > 1 else "")
         + f"; val acc {fmt(record['val_acc'])} after {at} s of training, "
-        f"{fmt(record['val_acc_without'])} without an attacker",
+        f"{fmt(record['val_acc_without'])} without an attacker "
+        f"({fmt(record['val_acc_without_same_epoch'])} at the same global epoch)",
         flush=True,
     )
     return timeline

@@ -312,7 +312,7 @@ def test_an_attack_row_counts_each_honest_peers_bans_of_every_attacker():
     assert _peer_id("/ip4/127.0.0.1/tcp/1/p2p/12D3KooWabc") == "12D3KooWabc"
     # the goal's window, with one attacker or two; the baselines train longer (honest peers start at once)
     assert {row.seconds for row in ROWS if row.fault} == {60.0}
-    assert {row.seconds for row in ROWS if not row.fault} == {120.0}
+    assert {row.seconds for row in ROWS if not row.fault} == {150.0}
 
 
 def test_attack_rows_run_after_a_baseline_of_as_many_honest_peers_and_are_compared_after_as_long():

@@ -42,9 +42,9 @@ from peer.bench.harness import Bench, Options, Peer, fmt, summary, table
 # attacker in 11-16 rounds a minute; five peers take about 27 rounds a minute)
 ATTACK_SECONDS = 60.0
 # a row without an attacker trains this much longer: its honest peers start at once, where an attack row's
-# window opens only when its attackers have joined and injected (20-40 s on two cores), so that it covers
-# every attack row's time of training
-BASELINE_EXTRA_SECONDS = 60.0
+# window opens only when its attackers have joined and injected (with two attackers among five, attack rows
+# trained up to 132 s in all on two cores), so that it covers every attack row's time of training
+BASELINE_EXTRA_SECONDS = 90.0
 VALIDATION = re.compile(r"Validation at global epoch (\d+): loss (\S+), acc ([\d.]+),")
 ALWAYS = "x1000000000"  # every local step from the fault's epoch on
 

@@ -72,7 +72,12 @@ def test_an_averaged_state_far_from_this_peers_parameters_is_rejected_but_not_a_
     colluders = [noise * mine[0].norm() / noise.norm(), mine[1]]
     stepped = [mine[0] + 0.03 * torch.randn(10_000, generator=gen), 5 * torch.rand(10_000, generator=gen)]
     screen = RoundScreen(10.0)
+    assert screen.take_state_away() is None
     assert screen.judge_state(mine, stepped, one_state) is None
+    # the accepted round's distance is kept for the round's record, once
+    moved = (stepped[0] - mine[0]).norm() / mine[0].norm()
+    assert screen.take_state_away() == pytest.approx(float(moved), rel=1e-5)
+    assert screen.take_state_away() is None
     reason = screen.judge_state(mine, colluders, one_state)
     assert reason is not None and "the averaged parameters lie 1.4" in reason, reason
     assert f"the limit is {STATE_RADIUS:g}" in reason and screen.rejected_state_rounds == 1
@@ -83,6 +88,7 @@ def test_an_averaged_state_far_from_this_peers_parameters_is_rejected_but_not_a_
     reason = screen.judge_state(mine, half, one_state)
     assert reason is not None and "the averaged parameters lie 0.46" in reason, reason
     assert screen.judge_state(mine, colluders, ROLES) is None  # the second tensor an extra one: DiLoCo's
+    assert screen.take_state_away() is None  # rejected rounds and DiLoCo's states leave no distance
 
 
 def _pair_round(noise: float, flip: float, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -62,6 +62,7 @@ class RoundClock:
         self.outcome, self.group, self.strangers = "alone", 1, 0
         self.rejected: list[str] = []
         self.agreed = False
+        self.state_away: float | None = None  # swarm/averaging/screen.py ``take_state_away``
 
     # ---- wrappers ---------------------------------------------------------------------------------------
     def _marked_round(self, method: Callable[..., Any]) -> Callable[..., Any]:
@@ -133,6 +134,7 @@ class RoundClock:
             "strangers": self.strangers,
             "rejected": self.rejected,
             "agreed": self.agreed,
+            "state_away": None if self.state_away is None else round(self.state_away, 4),
         }
         self.rounds.append(record)
         self._reset()

@@ -132,6 +132,9 @@ class RoundScreen:
         # a state round's average lay beyond STATE_RADIUS since the peer last asked (``take_far_state``):
         # either groupmates that own the group sent other parameters, or this peer's own state is astray
         self._far_state = False
+        # the largest distance of an accepted state round's parameters from this peer's own (over their norm)
+        # since the last ``take_state_away``: what each round of the peer's record moved it by
+        self._state_away: float | None = None
 
     @property
     def pair_scale(self) -> float:
@@ -157,6 +160,12 @@ class RoundScreen:
         ``DonorCheck.astray``)."""
         far, self._far_state = self._far_state, False
         return far
+
+    def take_state_away(self) -> float | None:
+        """The largest distance, over this peer's own parameters' norm, of averaged parameters that a state
+        round gave and this screen accepted since the last call (then cleared); None if none was judged so."""
+        away, self._state_away = self._state_away, None
+        return away
 
     def _outsized(self, norm: float, reference: float, limit: float | None = None) -> bool:
         """Whether ``norm`` is more than ``limit`` (by default ``factor``) times ``reference``."""
@@ -273,6 +282,7 @@ class RoundScreen:
                     f"limit is {STATE_RADIUS:g}: peers at one global epoch hold nearly one state; most "
                     f"likely groupmates that are half of the group or more sent other parameters)"
                 ), size
+            self._state_away = max(away, self._state_away or 0.0)
         return None, size
 
     def _rejected(self, kind: str, reason: str) -> str:

@@ -98,9 +98,14 @@ ROWS = (
 NEWCOMER_AFTER = 8.0  # seconds from the attack's start to the newcomer's (the donor's record is paced at 5 s)
 
 
+def _timed_validations(peer: Peer) -> list[tuple[float, int, float, float]]:
+    """(when the line was read, global epoch, val loss, val acc) of each validation line of ``peer``."""
+    found = ((when, VALIDATION.search(line)) for when, line in zip(peer.times, peer.lines, strict=False))
+    return [(when, int(m.group(1)), float(m.group(2)), float(m.group(3))) for when, m in found if m]
+
+
 def _validations(peer: Peer) -> list[tuple[int, float, float]]:
-    found = (VALIDATION.search(line) for line in peer.lines)
-    return [(int(m.group(1)), float(m.group(2)), float(m.group(3))) for m in found if m]
+    return [(epoch, loss, acc) for _, epoch, loss, acc in _timed_validations(peer)]
 
 
 def run(bench: Bench, opts: Options) -> None:
@@ -148,11 +153,7 @@ class Timeline:
 
 def _timeline(peer: Peer, ended: float) -> Timeline:
     start = peer.line_time(r"\| epoch \d+ \|")
-    vals = []
-    for when, line in zip(peer.times, peer.lines, strict=False):
-        found = VALIDATION.search(line)
-        if found:
-            vals.append((round(when - start, 1), int(found.group(1)), float(found.group(3))))
+    vals = [(round(when - start, 1), epoch, acc) for when, epoch, _, acc in _timed_validations(peer)]
     return Timeline(vals, round(ended - start, 1))
 
 

@@ -62,7 +62,6 @@ class RoundClock:
         self.outcome, self.group, self.strangers = "alone", 1, 0
         self.rejected: list[str] = []
         self.agreed = False
-        self.state_away: float | None = None  # swarm/averaging/screen.py ``take_state_away``
 
     # ---- wrappers ---------------------------------------------------------------------------------------
     def _marked_round(self, method: Callable[..., Any]) -> Callable[..., Any]:
@@ -119,9 +118,12 @@ class RoundClock:
             self._update_started = 0.0
 
     # ---- records ----------------------------------------------------------------------------------------
-    def close_round(self, epoch: int, end_seconds: float, flight: float = 0.0) -> dict[str, Any]:
+    def close_round(
+        self, epoch: int, end_seconds: float, flight: float = 0.0, state_away: float | None = None
+    ) -> dict[str, Any]:
         """Record the round that ended at global epoch ``epoch`` after ``end_seconds`` of its last step (and
-        ``flight`` seconds in the background, if it ran there)."""
+        ``flight`` seconds in the background, if it ran there); ``state_away``: how far its accepted state
+        round moved the parameters (swarm/averaging/screen.py ``take_state_away``)."""
         parts = {k: round(v, 4) for k, v in self.parts.items()}
         record = {
             "epoch": epoch,
@@ -134,7 +136,7 @@ class RoundClock:
             "strangers": self.strangers,
             "rejected": self.rejected,
             "agreed": self.agreed,
-            "state_away": None if self.state_away is None else round(self.state_away, 4),
+            "state_away": None if state_away is None else round(state_away, 4),
         }
         self.rounds.append(record)
         self._reset()

@@ -510,8 +510,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             self.round_end_seconds += spent
             if self.clock is not None:
                 flight = self.diloco.last_flight if self.diloco is not None and self.diloco.overlap else 0.0
-                self.clock.state_away = self.screen.take_state_away()
-                self.clock.close_round(self.local_epoch, spent, flight)
+                self.clock.close_round(self.local_epoch, spent, flight, self.screen.take_state_away())
             self._after_global_step(module)
             if self.screen.take_far_state():
                 self._check_own_state()

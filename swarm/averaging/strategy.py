@@ -400,6 +400,7 @@ class HivemindStrategy(SingleDeviceStrategy):
                 own_scale=None if self.diloco is None else self.diloco.pseudo_gradient_scale,
                 instrument=lambda opt: RoundClock(opt, swarm_optimizer),
                 on_strangers=self._on_strangers,
+                on_screened_state=self._on_screened_state,
                 skip_agreed_state_rounds=self.skip_agreed_state_rounds,
                 on_agreed=self._on_agreed_state,
                 on_local_fallback=self._on_local_fallback,
@@ -548,6 +549,13 @@ class HivemindStrategy(SingleDeviceStrategy):
         if self.clock is not None:
             self.clock.agreed = True
         log.debug("The %d peers of global epoch %d's round hold one state: no state round", group, epoch)
+
+    def _on_screened_state(self, epoch: int, reason: str) -> None:
+        log.info(
+            "This peer rejected the gradient round toward global epoch %d, so it skips the epoch's state "
+            "round and keeps its own state (groupmates that own a round's gradient own its state round too)",
+            epoch,
+        )
 
     def _on_strangers(self, epoch: int, strangers: frozenset) -> None:
         log.info(

@@ -16,20 +16,24 @@ its own vector, of an honest size.
 **What this changes.** :class:`RobustPartReducer` keeps each sender's part of the current slice and reduces
 them with :func:`centered_clip` (CenteredClip, Karimireddy et al. 2021, as BTARD runs it inside the butterfly
 all-reduce, Gorbunov et al. 2022): starting from the coordinate-wise median of the parts, it moves toward each
-part by at most ``tau`` per iteration, where ``tau`` is ``TAU_FACTOR`` (1.5) times the median of the parts'
-distances to that start. No sender's weight (its samples of the round, as it announces them) counts for more
-than the round's median weight (``WEIGHT_CAP``): with a cap of 2 or 4, one sender that announced 10^6 samples
-still turned the result of 3 uphill. Where no part is further than ``tau`` from the centre, the result is the
-weighted mean itself, up to float rounding: in many dimensions honest parts are about equally far from their
-mean (at most 1.18 times the median distance to the median, for 3 to 8 random parts of 1,000 numbers or more
-with weights from 0.5 to 1.5), so an honest round gives what hivemind gives, except that a peer with more than
-the median's samples counts as the median. A part ``k`` times further than ``tau`` pulls the result ``k``
-times less than in a mean, and a part scaled below ``CUT`` (further than 2 ``tau``) not at all: once the
-iteration ends, it runs again without those parts, from where the centre stands (unless they hold half the
-weight or more, or the slice has fewer than ``CUT_NUMBERS`` numbers: in a few numbers, honest parts can lie
-far apart). Clipped, two parts of five far outside pulled the result by up to 0.4 ``tau`` every round.
-With two senders it is always the weighted mean: a robust rule cannot outvote one of two. Where most parts are
-equal (the parameters of peers in step, in a state round), it is their value.
+part by at most ``tau`` per iteration. ``tau`` is ``TAU_FACTOR`` (1.5) times the median distance to that start
+of the nearest majority of parts (the ``n // 2 + 1`` nearest of ``n``): colluders that are fewer than half
+cannot raise it, where the median of all the distances can be the largest honest one (honest gradients of
+small batches differ in norm several times over: up to 10 times within one slice in the demo's late rounds,
+and with tau from the largest, two x-8 colluders of five lay within 2 tau and turned rounds uphill). No
+sender's weight (its samples of the round, as it announces them) counts for more than the round's median
+weight (``WEIGHT_CAP``): with a cap of 2 or 4, one sender that announced 10^6 samples still turned the result
+of 3 uphill. Where no part is further than ``tau`` from the weighted mean, the result is that mean, up to
+float rounding: random parts of 1,000 numbers or more are about equally far from their mean (at most 1.19
+times the distance above, for 3 to 8 parts with weights from 0.5 to 1.5), so a round of honest gradients of
+one norm gives what hivemind gives, except that a peer with more than the median's samples counts as the
+median; an honest part of a larger norm is clipped (its pull bounded by ``tau``). Parts further than 2
+``tau`` from the median (scaled below ``CUT``) take no part at all, unless they are among the nearest
+majority (by count: colluders can announce the median's samples), and not in a slice of fewer than
+``CUT_NUMBERS`` numbers (in a few numbers, honest parts can lie far apart): clipped only, two parts of five
+far outside pulled the result by up to 0.4 ``tau`` every round. With two senders it is always the weighted
+mean: a robust rule cannot outvote one of two. Where most parts are equal (the parameters of peers in step,
+in a state round), it is their value.
 
 **Who is attacking.** The reducer also judges senders (swarm/suspects.py): in a gradient averager's
 process by the scale the rule gave their parts and by the cosine of their parts with this peer's own
@@ -108,7 +112,8 @@ def centered_clip(
     tolerance: float = TOLERANCE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(The robust average of the rows of ``parts`` (n x d, float32) with ``weights`` (n), the factor each
-    row was scaled by at the last iteration: 1 where it was not clipped). Rows with weight 0 take no part.
+    row was scaled by at the last iteration: 1 where it was not clipped; for a row left out, ``tau`` over its
+    distance from the result). Rows with weight 0 take no part.
 
     Where every row lies within ``tau`` of the weighted mean (an honest round), the mean is the fixed point of
     the iteration (no row clipped, so its step is zero) and is returned at once: the iteration from the median
@@ -127,21 +132,44 @@ def centered_clip(
     total = w.sum()
     centre = _median(rows)
     distances = torch.linalg.vector_norm(rows - centre, dim=1)
-    tau = tau_factor * float(distances.median())
+    tau = tau_factor * _majority_distance(distances)
     if tau <= 0:  # most rows agree exactly (parameters of peers in step): their value; the others count 0
         scale[used] = (distances == 0).to(scale.dtype)
         return centre.to(parts.dtype), scale
     mean = (w @ rows) / total
     if bool((torch.linalg.vector_norm(rows - mean, dim=1) <= tau).all()):
         return mean.to(parts.dtype), scale
-    centre, clip = _iterate(rows, w, centre, tau, iterations, tolerance)
-    far = clip < CUT
-    if rows.shape[1] >= CUT_NUMBERS and bool(far.any()) and float(w[~far].sum()) > 0.5 * float(total):
+    far = (distances * CUT > tau) & ~_nearest_majority(distances)
+    if rows.shape[1] >= CUT_NUMBERS and bool(far.any()):
         # the parts far outside: no pull at all (clipped, each still pulls by up to tau, and two attackers of
-        # five moved the result by up to 0.4 tau every round); the others' centre, from where it stands
-        centre, _ = _iterate(rows[~far], w[~far], centre, tau, iterations, tolerance)
+        # five moved the result by up to 0.4 tau every round); the others' centre, from the median
+        centre, clip = _iterate(rows[~far], w[~far], centre, tau, iterations, tolerance)
+        away = torch.linalg.vector_norm(rows[far] - centre, dim=1).clamp(min=1e-30)
+        index = used.nonzero().squeeze(1)
+        scale[index[~far]], scale[index[far]] = clip, (tau / away).clamp(max=1.0)
+        return centre.to(parts.dtype), scale
+    centre, clip = _iterate(rows, w, centre, tau, iterations, tolerance)
     scale[used] = clip
     return centre.to(parts.dtype), scale
+
+
+def _nearest_majority(distances: torch.Tensor) -> torch.Tensor:
+    """Which rows are the ``n // 2 + 1`` nearest of ``n``: a majority by count, not by weight (two colluders
+    of five that announce the median's samples, with honest peers of smaller batches, hold more than half
+    of the capped weight: kept until the nearest held more than half the weight, one of them was, and rounds
+    pointed against the honest parts' mean, cosine -0.32)."""
+    keep = torch.zeros_like(distances, dtype=torch.bool)
+    keep[distances.argsort()[: distances.shape[0] // 2 + 1]] = True
+    return keep
+
+
+def _majority_distance(distances: torch.Tensor) -> float:
+    """The median of the smallest ``n // 2 + 1`` of ``n`` distances: of a strict majority's. Colluders
+    that are fewer than half cannot raise it above the median honest distance however far they lie (the
+    median of all ``n`` can be the largest honest one: with two attackers of five, the honest gradient of
+    the largest norm, which in a small batch is often several times the others')."""
+    low = distances.sort().values[: distances.shape[0] // 2 + 1]
+    return float(_median(low.unsqueeze(1)))
 
 
 def _iterate(

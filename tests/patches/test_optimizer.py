@@ -26,7 +26,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.averaging.diloco import DiLoCo
 from swarm.averaging.rounds import RoundClock
-from swarm.averaging.screen import total_norm
+from swarm.averaging.screen import RoundScreen, total_norm
 from swarm.patches import allreduce, grad_averager, matchmaking, progress
 from swarm.patches import optimizer as wiring
 from swarm.waiting import wait_until
@@ -311,6 +311,45 @@ def test_a_round_that_names_a_stranger_skips_the_epochs_state_round(dhts, patche
         assert not held and told == [(1, frozenset({"c"}))], (state_steps, told)
     else:  # held, and it looked for a state group (nobody else's state averager) until its deadline
         assert held and seconds >= AVERAGING_TIMEOUT - 0.1 and not told, (state_steps, told)
+
+
+@PLAIN_OR_PATCHED
+def test_a_gradient_round_the_screen_rejects_skips_the_epochs_state_round(dhts, patched):
+    """Item 7. A gradient round of three ends with an average eight times this peer's own gradient the other
+    way (two colluders that own the group): the screen rejects it and the peer steps on its own gradient.
+    Without skip_state_rounds_after_rejection the epoch's state round is still held (with the same colluders
+    it would hand the peer their parameters); with it, the state round is skipped and told."""
+    with _optimizer_beside_a_tracker(dhts, f"pytest-rounds-rejected-{patched}") as opt:
+        state_steps: list[bool] = []
+        state_step = opt.state_averager.step
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("increment_epoch"):
+                state_steps.append(kwargs.get("averaging_round"))
+            return state_step(*args, **kwargs)
+
+        opt.state_averager.step = recorded
+        screen, rejected, told = RoundScreen(), [], []
+        wiring.screen_rounds(opt, screen, lambda *args: rejected.append(args))
+        if patched:
+            wiring.skip_state_rounds_after_rejection(opt, screen, lambda *args: told.append(args))
+        control: Future = Future()
+        control.set_result(allreduce.Gathered.without({"a": None, "b": None, "c": None}, set()))
+        control.triggered = True  # type: ignore[attr-defined]
+        averager = opt.grad_averager
+        with torch.no_grad(), averager.get_tensors() as averaged:
+            own = [torch.ones_like(t) for t in averaged]
+            for tensor, mine in zip(averaged, own, strict=True):
+                tensor.copy_(-8 * mine)  # the round's result
+        averager._own_grads, averager._own_valid = own, True  # this peer's own gradient of the round
+        opt.grad_averager.step = lambda **kwargs: control
+        opt._update_global_epoch(None)
+        assert opt.local_epoch == 1 and len(rejected) == 1 and rejected[0][0] == "gradient", rejected
+        assert all(float(p.grad.sum()) > 0 for p in opt.state_averager.main_parameters), "steps on its own"
+    if patched:
+        assert state_steps == [False] and told == [(1, "rejected")], (state_steps, told)
+    else:
+        assert state_steps == [True] and not told, (state_steps, told)
 
 
 def test_wire_applies_the_changes_in_the_order_they_need(dhts):

@@ -54,7 +54,9 @@ times
   gradient had cosine -0.52 with the average of its round with a 224-sample one.
 
 A rejected round is not applied: for gradients the peer steps on its own gradient of the round (as after
-a failed round), for the state (averaged or downloaded) it keeps its own state. A state round rejected for
+a failed round) and skips that epoch's state round (colluders that own a group's gradient round own its state
+round too: swarm/patches/optimizer.py ``skip_state_rounds_after_rejection``), for the state (averaged or
+downloaded) it keeps its own state. A state round rejected for
 its distance (``take_far_state``) has the peer ask the swarm's published sketches whether its own state is
 the one astray (swarm/averaging/donors.py ``DonorCheck.astray``); if so it downloads the swarm's
 (swarm/averaging/strategy.py ``_check_own_state``) rather than reject every later round. Each rejection is

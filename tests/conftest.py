@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import hivemind
@@ -13,7 +14,7 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 from swarm import patches
 from swarm.net.node import lean_daemon_env
-from swarm.procs import group_members, remove_stale_sockets, stale_sockets
+from swarm.procs import _bound_unix_paths, _socket_inodes, group_members, remove_stale_sockets, stale_sockets
 from tests.helpers import PeerProcess, SharedLauncher
 
 lean_daemon_env()  # the p2p daemons of the tests' own hivemind nodes run as the product's do
@@ -53,7 +54,19 @@ def peers(request, tmp_path):
     """
     started = time.time()
     registry: list[PeerProcess] = []
+    held: set[str] = set()  # socket files that this test's processes held, sampled while they ran
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.25):
+            held.update(_held_by([p.pgid for p in list(registry)]))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     yield registry
+    done.set()
+    sampler.join()
+    held.update(_held_by([p.pgid for p in registry]))
     for peer in reversed(registry):
         peer.stop(grace=15.0)
     kept = tmp_path / "output"
@@ -61,20 +74,27 @@ def peers(request, tmp_path):
     for peer in registry:
         (kept / f"{peer.name}.log").write_text(peer.output())
     leftovers = {p.name: group_members(p.pgid) for p in registry if group_members(p.pgid)}
-    sockets = _lasting_stale_sockets(since=started)
+    sockets = _lasting_stale_sockets(since=started, among=held)
     remove_stale_sockets(since=started)
     assert not leftovers, f"processes outlived the test: {leftovers}"
     assert not sockets, f"socket files outlived the test: {sockets}"
 
 
-def _lasting_stale_sockets(since: float, wait: float = 30.0) -> list[str]:
-    """hivemind socket files newer than ``since`` that no process is bound to and that nobody removes within
-    ``wait`` seconds. With the suite spread over two workers (pytest-xdist), a test that runs beside this one
-    may be stopping a peer: the group's SIGTERM can end its p2p daemon at once, and the peer removes the
-    daemon's socket file when it has left, up to its 15 s grace (and a SIGKILL's clean-up) later; a
-    fresh-clone suite saw two such files still there after 5 s. Those are not this test's leftovers. A socket
-    file that this test's processes left stays, and is reported."""
-    stale = set(stale_sockets(since=since))
+def _held_by(pgids: list[int]) -> set[str]:
+    """Paths of the unix sockets that live processes of the process groups ``pgids`` hold."""
+    pids = [pid for pgid in pgids for pid in group_members(pgid)]
+    return _bound_unix_paths(mine=_socket_inodes(pids))[1] if pids else set()
+
+
+def _lasting_stale_sockets(since: float, among: set[str], wait: float = 30.0) -> list[str]:
+    """hivemind socket files among ``among`` (those this test's processes held) newer than ``since`` that no
+    process is bound to and that nobody removes within ``wait`` seconds. With the suite spread over two
+    workers (pytest-xdist), a test that runs beside this one may be stopping or killing its own peers, whose
+    socket files lie in the same folder until that test removes them: a fresh-clone suite saw two such files
+    still there after 5 s, and once after 30 s, at the end of a test that starts no hivemind process at all
+    (two torchrun agents). Those are not this test's leftovers. A socket file that this test's processes held
+    and left stays, and is reported."""
+    stale = set(stale_sockets(since=since)) & among
     deadline = time.time() + wait
     while stale and time.time() < deadline:
         time.sleep(0.2)

@@ -168,8 +168,7 @@ def _majority_distance(distances: torch.Tensor) -> float:
     that are fewer than half cannot raise it above the median honest distance however far they lie (the
     median of all ``n`` can be the largest honest one: with two attackers of five, the honest gradient of
     the largest norm, which in a small batch is often several times the others')."""
-    low = distances.sort().values[: distances.shape[0] // 2 + 1]
-    return float(_median(low.unsqueeze(1)))
+    return float(_median(distances[_nearest_majority(distances)].unsqueeze(1)))
 
 
 def _iterate(

@@ -9,3 +9,7 @@
 
 tests/test_layers.py checks the order; ``python -m tests.import_graph`` draws it.
 """
+
+from swarm.log import fork_safe_logging
+
+fork_safe_logging()  # hivemind forks its averagers while this process's threads log

@@ -10,6 +10,58 @@ import warnings
 
 FORMAT = "%(asctime)s %(levelname).1s %(name)s | %(message)s"
 
+_FORK_WAIT_S = 2.0  # longest that a fork waits for one log handler that another thread is writing through
+_held_for_fork: list = []
+
+
+def fork_safe_logging() -> None:
+    """Make a fork wait until no other thread is inside a log handler. Idempotent; ``swarm`` calls it when
+    imported.
+
+    hivemind starts every averager (and the DHT) as a forked ``multiprocessing.Process`` while the parent's
+    threads go on logging. Python re-creates each handler's lock in the child, but not the lock of the
+    stream's buffer: a fork while another thread was inside ``stream.write`` leaves the child's buffer locked
+    by a thread that does not exist there, and the child's first log line (hivemind's averagers log at
+    start-up) blocks for ever. Holding every handler's lock across the fork keeps other threads out of the
+    handlers' streams at that moment. A handler held elsewhere for longer than ``_FORK_WAIT_S`` is passed
+    over rather than stalling the fork."""
+    global _registered
+    if _registered or not hasattr(os, "register_at_fork"):
+        return
+    _registered = True
+    os.register_at_fork(
+        before=_hold_handlers, after_in_parent=_release_handlers, after_in_child=_forget_handlers
+    )
+
+
+_registered = False
+
+
+def _hold_handlers() -> None:
+    # logging's own before-fork hook takes the module lock after this one (hooks run in reverse order of
+    # registration), which is the order FileHandler.close takes them: a handler's lock, then the module's
+    with logging._lock:  # type: ignore[attr-defined]
+        handlers = [ref() for ref in logging._handlerList]  # type: ignore[attr-defined]
+    for handler in handlers:
+        lock = getattr(handler, "lock", None) if handler is not None else None
+        if lock is not None and lock.acquire(timeout=_FORK_WAIT_S):
+            _held_for_fork.append(lock)
+
+
+def _release_handlers() -> None:
+    while _held_for_fork:
+        _held_for_fork.pop().release()
+
+
+def _forget_handlers() -> None:
+    # logging re-creates every handler's lock in the child before this hook runs; one it did not know of is
+    # still held by this thread, the only one the child has
+    while _held_for_fork:
+        try:
+            _held_for_fork.pop().release()
+        except RuntimeError:  # re-created, so not held
+            pass
+
 
 def setup_logging(verbose: bool = False, quiet: bool = False) -> None:
     """Configure the root logger once: INFO to stderr (DEBUG with ``verbose``, WARNING with ``quiet``, as on

@@ -1,9 +1,12 @@
-"""The one log format's guard against shutdown noise from multiprocessing's resource-sharer thread."""
+"""The one log format's guards: against shutdown noise from multiprocessing's resource-sharer thread, and
+against forked helpers that hang on their first log line."""
 
 from __future__ import annotations
 
 import multiprocessing.resource_sharer as resource_sharer
+import subprocess
 import sys
+import textwrap
 
 from swarm.log import _quiet_resource_sharer
 
@@ -28,3 +31,65 @@ def test_resource_sharer_resets_are_quiet_and_everything_else_is_not():
     hook(*_raise_in(__file__, ConnectionResetError(104, "reset elsewhere")))
     hook(*_raise_in(resource_sharer.__file__, ValueError("a real bug")))
     assert seen == [ConnectionResetError, ValueError]
+
+
+# A parent whose thread keeps logging through a slow stream while the main thread forks children (as hivemind
+# forks its averagers); each child logs one line and exits. It prints how many children hung on that line.
+_FORKS = textwrap.dedent(
+    """
+    import io, logging, multiprocessing, sys, threading, time
+    if sys.argv[1] == "swarm":
+        import swarm  # noqa: F401  (importing swarm makes forks wait for the log handlers)
+
+    class SlowRaw(io.RawIOBase):
+        def writable(self):
+            return True
+
+        def write(self, data):
+            time.sleep(0.002)  # a terminal or pipe that takes its time: the buffer's lock is held meanwhile
+            return len(data)
+
+    stream = io.TextIOWrapper(io.BufferedWriter(SlowRaw(), buffer_size=64), write_through=True)
+    log = logging.getLogger("forks")
+    log.addHandler(logging.StreamHandler(stream))
+    log.propagate, log.level = False, logging.INFO
+    done = threading.Event()
+
+    def chatter():
+        while not done.is_set():
+            log.info("x" * 200)
+
+    def child():
+        log.info("a forked helper starts")
+        log.handlers[0].flush()
+
+    threading.Thread(target=chatter, daemon=True).start()
+    hung = 0
+    for _ in range(int(sys.argv[2])):
+        time.sleep(0.01)
+        proc = multiprocessing.get_context("fork").Process(target=child)
+        proc.start()
+        proc.join(3)
+        if proc.is_alive():
+            hung += 1
+            proc.kill()
+            proc.join()
+    done.set()
+    print(hung)
+    """
+)
+
+
+def _hung_forks(mode: str, forks: int) -> int:
+    out = subprocess.run(
+        [sys.executable, "-c", _FORKS, mode, str(forks)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_helper_forked_while_another_thread_logs_does_not_hang_on_its_first_line():
+    # without swarm's at-fork hook Python re-creates the handler's lock in the child but not the stream
+    # buffer's, which the chatting thread held at the fork
+    assert _hung_forks("plain", 3) >= 1, "the plain run should show the hang that swarm prevents"
+    assert _hung_forks("swarm", 20) == 0

@@ -356,8 +356,20 @@ def test_a_groupmate_banned_in_the_middle_of_a_round_is_dropped_as_a_sender_at_o
     dropped_a = near(held[1], without_a) & ~own_slice & ~full
     assert (own_slice | full | dropped_a).all()
     assert size / 5 < full.sum(), full.sum()  # B's slice at least
-    assert near(held[0], all_three)[full].all()
+    assert near(held[0], all_three)[full].all(), _where_not(held[0], all_three, full, a=a, both=both)
     assert near(held[0], a)[dropped_a].all()
+
+
+def _where_not(got: torch.Tensor, expected: torch.Tensor, among: torch.Tensor, **named: torch.Tensor) -> str:
+    """Where ``got`` is not ``expected`` among the positions ``among``: how many, their first and last
+    index, and how many of them hold each of the ``named`` vectors instead."""
+    tolerance = 1e-5 * expected.abs() + 1e-6
+    wrong = among & ((got - expected).abs() > tolerance)
+    index = wrong.nonzero().flatten()
+    if not len(index):
+        return "none"
+    held = {name: int(((got - v).abs() <= tolerance)[wrong].sum()) for name, v in named.items()}
+    return f"{len(index)} of {int(among.sum())} positions, {int(index[0])}..{int(index[-1])}, holding {held}"
 
 
 @pytest.mark.parametrize("sends", [False, True], ids=["refusing to call it", "sending its parts"])

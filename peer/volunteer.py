@@ -502,6 +502,8 @@ class SwarmReporter(L.Callback):
             "rejected_gradient_rounds": self.strategy.screen.rejected_gradient_rounds,
             "rejected_state_rounds": self.strategy.screen.rejected_state_rounds,
             "rejected_downloads": self.strategy.screen.rejected_downloads,
+            # state rounds the screen judged by the loss of this peer's latest batch: how far each raised it
+            "state_probe": _probe_summary(self.strategy.screen.probed),
             # downloads refused for their donor's numbers (swarm/averaging/donors.py), and those checked
             "refused_downloads": self.strategy.refused_downloads,
             "checked_downloads": check.checked if check is not None else 0,
@@ -518,6 +520,18 @@ class SwarmReporter(L.Callback):
             "started_at": getattr(self, "started", None),  # when training began (after --min-peers)
             "complete": False,  # True only in the summary written as the peer left
         }
+
+
+def _probe_summary(probed: list[tuple[float, float]]) -> dict[str, Any]:
+    """The state rounds the screen probed (pairs of losses: this peer's parameters, the averaged ones): how
+    many, the median rise, and the largest rise with the loss it rose from."""
+    rises = sorted(((after - before, before) for before, after in probed), key=lambda r: r[0])
+    return {
+        "count": len(rises),
+        "median_rise": rises[len(rises) // 2][0] if rises else None,
+        "largest_rise": rises[-1][0] if rises else None,
+        "largest_rise_from": rises[-1][1] if rises else None,
+    }
 
 
 def write_summary(out_dir: Path, result: dict[str, Any]) -> Path:

@@ -390,3 +390,57 @@ def test_all_finite_is_exact_for_nan_inf_and_huge_finite_values():
     huge[2][0, 0] = 3e38  # finite, although the squared norm overflows float32
     assert all_finite(huge)
     assert all_finite([])
+
+
+def test_a_state_whose_parameters_went_uphill_is_rejected_by_the_loss_of_the_latest_batch():
+    """Colluders that own a state round's group make its result their parameters, and a few uphill steps
+    leave those as near as an honest groupmate's (within STATE_RADIUS). The screen asks the strategy for the
+    loss of this peer's latest batch with them (``_probe_loss``) and keeps its own parameters; an honest
+    groupmate's, a few steps downhill on other data, pass. The probe leaves the module's parameters as
+    they were. A download from a donor that went uphill is refused the same way."""
+    from swarm.averaging.screen import PROBE_RISE, PROBE_SHARE, STATE_RADIUS, _distance, total_norm
+    from swarm.training.data import build_datasets
+
+    cfg, strategy, _, module, _ = _fit(SwarmClassifier, steps=6)
+    mine = list(module.parameters())
+    train, _ = build_datasets(cfg.data, cfg.model.img_size)
+    others = [next(iter(train_loader(train, cfg.data, seed=seed))) for seed in (1, 2, 3)]
+
+    def stepped(sign: float, steps: int, lr: float, batches: list) -> list[torch.Tensor]:
+        """The module's parameters after ``steps`` of Adam on ``batches`` (uphill for ``sign`` -1)."""
+        copy = SwarmClassifier(cfg.model, cfg.train, weights=False)
+        copy.load_state_dict(module.state_dict())
+        opt = torch.optim.Adam(copy.parameters(), lr=lr)
+        for i in range(steps):
+            opt.zero_grad()
+            (sign * copy.batch_loss(batches[i % len(batches)])).backward()
+            opt.step()
+        return [p.detach().clone() for p in copy.parameters()]
+
+    latest, _ = strategy._latest_batch
+    trained = stepped(1.0, 30, 2e-3, [latest, *others])  # a peer some way into training
+    with torch.no_grad():
+        for p, value in zip(mine, trained, strict=True):
+            p.copy_(value)
+    before = [p.detach().clone() for p in mine]
+    norm = total_norm(before)
+    uphill, honest = stepped(-1.0, 3, 2e-3, others), stepped(1.0, 3, 2e-3, others)
+    # the distance alone lets it through (0.08 of the norm here, the honest one 0.05)
+    assert _distance(before, uphill) / norm < STATE_RADIUS
+    own, averaged = strategy._probe_loss(mine, uphill)
+    assert averaged > own + PROBE_RISE + PROBE_SHARE * own, (own, averaged)
+    roles = ["parameters"] * len(mine)
+    reason = strategy.screen.judge_state(mine, uphill, roles)
+    assert reason is not None and "raise the loss of this peer's latest batch" in reason, reason
+    assert strategy.screen.rejected_state_rounds == 1
+    assert strategy.screen.judge_state(mine, honest, roles) is None
+    assert strategy.screen.rejected_state_rounds == 1 and len(strategy.screen.probed) == 2
+    assert all(torch.equal(p, q) for p, q in zip(mine, before, strict=True))
+    # a download: the module's parameters already hold the donor's, judged against a copy of the peer's own
+    for new, kind_of in ((uphill, "a donor that went uphill"), (honest, "an honest donor")):
+        with torch.no_grad():
+            for p, value in zip(mine, new, strict=True):
+                p.copy_(value)
+        reason = strategy.screen.judge_state(before, mine, roles, kind="download")
+        assert (reason is None) == (new is honest), (kind_of, reason)
+    assert strategy.screen.rejected_downloads == 1

@@ -197,6 +197,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.agreed_state_rounds = 0  # state rounds skipped because the swarm held one state already
         self.aggregation = aggregation  # how this peer reduces its slices of rounds (swarm/patches/robust.py)
         self.screen = RoundScreen(reject_factor)  # judges every averaged result (swarm/averaging/screen.py)
+        self.screen.probe = self._probe_loss
+        self._latest_batch: tuple[Any, int] | None = None  # (the batch, the thread that trained on it)
         # checks every downloaded state against the swarm's (swarm/averaging/donors.py); refused downloads
         own = node.dht.peer_id.to_base58()
         self.donor_check = DonorCheck(node.dht, run_id, own, node.invite) if check_downloads else None
@@ -523,6 +525,40 @@ class HivemindStrategy(SingleDeviceStrategy):
             )
             self.faults.on_local_step(self.local_epoch, accumulated)
         return result
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's training step; the batch is kept for the screen's probe (``_probe_loss``)."""
+        batch = args[0] if args else kwargs.get("batch")
+        self._latest_batch = (batch, threading.get_ident()) if batch is not None else None
+        return super().training_step(*args, **kwargs)
+
+    def _probe_loss(self, mine: list[torch.Tensor], theirs: list[torch.Tensor]) -> tuple[float, float] | None:
+        """The loss of this peer's latest training batch with its own parameters ``mine`` and with ``theirs``
+        in their place (the screen's ``Probe``), or None where it cannot be asked: no batch yet, a module
+        without ``batch_loss``, tensors that are not the module's own (an offloaded optimizer's copies), or a
+        thread other than the training one (the parameters are swapped in place for the second loss)."""
+        module = self.lightning_module
+        loss_of = getattr(module, "batch_loss", None)
+        if self._latest_batch is None or loss_of is None:
+            return None
+        batch, thread = self._latest_batch
+        own = {id(p) for p in module.parameters()}
+        if thread != threading.get_ident() or not mine or any(id(t) not in own for t in mine):
+            return None
+        training = module.training
+        module.eval()
+        saved = [t.data for t in mine]
+        try:
+            with torch.no_grad():
+                before = float(loss_of(batch))
+                for tensor, new in zip(mine, theirs, strict=True):
+                    tensor.data = new.detach().to(tensor.device, tensor.dtype)
+                after = float(loss_of(batch))
+        finally:
+            for tensor, old in zip(mine, saved, strict=True):
+                tensor.data = old
+            module.train(training)
+        return before, after
 
     def _match_group_size(self) -> None:
         """Let averaging groups close as soon as every peer the tracker sees is in

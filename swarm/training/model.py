@@ -268,9 +268,14 @@ class SwarmClassifier(L.LightningModule):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return (self._replicas or self.net)(images)
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def batch_loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The loss of one training batch, as a training step computes it. HivemindStrategy's screen also
+        asks it of a state round's averaged parameters (swarm/averaging/screen.py ``PROBE_RISE``)."""
         images, target = batch
-        loss = F.cross_entropy(self(images), target)
+        return F.cross_entropy(self(images), target)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.batch_loss(batch)
         self.last_loss = float(loss.detach())  # the roles' reporters average and log it
         return loss
 

@@ -346,15 +346,21 @@ def test_a_groupmate_banned_in_the_middle_of_a_round_is_dropped_as_a_sender_at_o
     def near(got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
         return (got - expected).abs() <= 1e-5 * expected.abs() + 1e-6
 
-    own_slice = near(held[1], both)
+    # B's copy tells which mean a position holds only where the means lie apart: where two of them lie within
+    # the tolerance of each other (a few positions in 10^5), a value near one is near the other too, and
+    # such a position of X's slice without A was taken for one with A (3 of 413,565 positions in one run)
+    told = ~near(both, all_three) & ~near(all_three, without_a) & ~near(both, without_a)
+    told &= ~near(all_three, both) & ~near(without_a, all_three) & ~near(without_a, both)
+    assert told.float().mean() > 0.999, told.float().mean()
+    own_slice = near(held[1], both) & told
     assert size / 5 < own_slice.sum() < size / 2, own_slice.sum()
     assert near(held[0], both)[own_slice].all()
     # X's slice: the mean of all three; or, where A's refusal reached X before A's parts did, X's reducer
     # dropped A as a sender (a groupmate whose reducer failed before it sent a part, item 8): the mean of B
     # and X, which A does not take (it keeps its own numbers there; seen in about 1 run in 20 under load)
-    full = near(held[1], all_three) & ~own_slice
-    dropped_a = near(held[1], without_a) & ~own_slice & ~full
-    assert (own_slice | full | dropped_a).all()
+    full = near(held[1], all_three) & told & ~own_slice
+    dropped_a = near(held[1], without_a) & told & ~own_slice & ~full
+    assert (own_slice | full | dropped_a | ~told).all()
     assert size / 5 < full.sum(), full.sum()  # B's slice at least
     assert near(held[0], all_three)[full].all(), _where_not(held[0], all_three, full, a=a, both=both)
     assert near(held[0], a)[dropped_a].all()

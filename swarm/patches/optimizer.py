@@ -471,7 +471,8 @@ def screen_rounds(opt: Any, screen: Any, on_rejected: Any, own_scale: Any = None
                 reason = screen.judge_gradients(
                     averaged, averager.own_gradients, own_scale=scale, group_size=len(group) or None
                 )
-                if reason is None and own_scale is None:  # gradients, not DiLoCo's pseudo-gradients
+                # gradients, not DiLoCo's pseudo-gradients, where the strategy gave the screen a probe
+                if reason is None and own_scale is None and screen.probe is not None:
                     params = list(opt.state_averager.main_parameters)
                     optimizer = opt.state_averager.optimizer
                     reason = screen.judge_step(params, averaged, averager.own_gradients, optimizer)

@@ -549,11 +549,16 @@ class HivemindStrategy(SingleDeviceStrategy):
         module.eval()
         saved = [t.data for t in mine]
         try:
-            with torch.no_grad():
+            # as the training step ran it: the precision's input conversion and autocast
+            batch = self.precision_plugin.convert_input(batch)
+            with torch.no_grad(), self.precision_plugin.train_step_context():
                 before = float(loss_of(batch))
                 for tensor, new in zip(mine, theirs, strict=True):
                     tensor.data = new.detach().to(tensor.device, tensor.dtype)
                 after = float(loss_of(batch))
+        except Exception as exc:  # a probe that cannot run judges nothing; training goes on
+            log.debug("The screen's probe failed: %r", exc)
+            return None
         finally:
             for tensor, old in zip(mine, saved, strict=True):
                 tensor.data = old

@@ -12,6 +12,7 @@ FORMAT = "%(asctime)s %(levelname).1s %(name)s | %(message)s"
 
 _FORK_WAIT_S = 2.0  # longest that a fork waits for one log handler that another thread is writing through
 _held_for_fork: list = []
+_registered = False
 
 
 def fork_safe_logging() -> None:
@@ -33,8 +34,6 @@ def fork_safe_logging() -> None:
         before=_hold_handlers, after_in_parent=_release_handlers, after_in_child=_forget_handlers
     )
 
-
-_registered = False
 
 
 def _hold_handlers() -> None:

@@ -35,7 +35,6 @@ def fork_safe_logging() -> None:
     )
 
 
-
 def _hold_handlers() -> None:
     # logging's own before-fork hook takes the module lock after this one (hooks run in reverse order of
     # registration), which is the order FileHandler.close takes them: a handler's lock, then the module's

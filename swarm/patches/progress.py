@@ -73,8 +73,9 @@ class ThrottledReports(threading.Event):
             self._wake.notify_all()
 
     def clear(self) -> None:
-        with self._wake:
-            self._pending = False
+        # the release in wait() took the pending set already; hivemind's reporter clears only after its wait
+        # returned (progress_tracker.py:205-207), so a set that came in between (a new epoch) stays pending
+        pass
 
     def _key(self) -> tuple[int, bool]:
         # (epoch, has samples) new: at once. hivemind's reporter stops storing once no record of the last
@@ -102,6 +103,7 @@ class ThrottledReports(threading.Event):
                 if self._key() != self.last_key or hold <= 0 or (left is not None and left <= 0) or stopping:
                     self.last, self.last_key = now, self._key()
                     self.fired += 1
+                    self._pending = False
                     return True
                 self._wake.wait(hold if left is None else min(hold, left))  # a new epoch's set() ends it
 

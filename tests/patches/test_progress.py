@@ -113,6 +113,29 @@ def test_progress_is_reported_a_few_times_a_second_and_the_last_count_arrives(dh
         tracker.shutdown()
 
 
+def test_a_new_epoch_reported_while_the_reporter_wakes_is_not_cleared_away(dhts):
+    """Item 6. hivemind's reporter clears the event after its wait returned (progress_tracker.py:204-207), so
+    a set that came in between (here a new epoch) was cleared away unreleased, and the reporter slept until
+    its next timeout. The release takes the set it answers; the reporter's clear leaves a later one pending.
+    Driven by hand, in the reporter's order, with the tracker's reporter not started."""
+    (node,) = dhts(1)
+    tracker = ProgressTracker(node, "pytest-rounds-wakes", target_batch_size=10**6, start=False)
+    try:
+        progress.throttle_progress_reports(tracker, 60.0)
+        event = tracker.should_report_progress
+        tracker.report_local_progress(0, 32)
+        assert event.wait(1.0) and event.fired == 1  # the reporter's wait returns...
+        tracker.report_local_progress(1, 0)  # ...a new epoch is reported before it goes on...
+        if event.is_set():
+            event.clear()  # ...and it clears, as hivemind's reporter does
+        began = time.monotonic()
+        assert event.wait(5.0), "the new epoch's set was cleared away"
+        assert event.fired == 2 and time.monotonic() - began < 1.0
+        assert not event.wait(0.2) and event.fired == 2  # nothing else is pending
+    finally:
+        tracker.shutdown(timeout=0.0)  # its thread never ran: nothing to wait for
+
+
 @PLAIN_OR_PATCHED
 def test_a_tracker_that_finds_nobody_reads_again_within_min_refresh_period(dhts, patched):
     """Item 19. A tracker's first read, at its creation, finds no record (none is stored before a peer's

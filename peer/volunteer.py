@@ -504,6 +504,9 @@ class SwarmReporter(L.Callback):
             "rejected_downloads": self.strategy.screen.rejected_downloads,
             # state rounds the screen judged by the loss of this peer's latest batch: how far each raised it
             "state_probe": _probe_summary(self.strategy.screen.probed),
+            # gradient rounds judged by a step on them: the rise over a step on this peer's own gradient
+            # (of the two batches, the one that saw the smaller rise)
+            "step_probe": _probe_summary(self.strategy.screen.stepped),
             # downloads refused for their donor's numbers (swarm/averaging/donors.py), and those checked
             "refused_downloads": self.strategy.refused_downloads,
             "checked_downloads": check.checked if check is not None else 0,

@@ -444,3 +444,46 @@ def test_a_state_whose_parameters_went_uphill_is_rejected_by_the_loss_of_the_lat
         reason = strategy.screen.judge_state(before, mine, roles, kind="download")
         assert (reason is None) == (new is honest), (kind_of, reason)
     assert strategy.screen.rejected_downloads == 1
+
+
+def test_a_gradient_round_that_turns_uphill_is_rejected_by_the_step_adam_would_take():
+    """Two colluders of five whose x -8 flips the robust rule only partly clips turn a round's average
+    uphill while it stays within RADIUS of an honest peer's gradient. The screen asks the loss of a batch
+    held out of this epoch's gradients (the latest batch of the epoch before) after the step Adam would take
+    on the average without its momentum, and after the same step on this peer's own gradient
+    (``judge_step``): the colluders' round raises it far more than its own step, an honest average of other
+    batches does not, and the optimizer and parameters are left as they were."""
+    cfg, strategy, _, module, _ = _fit(SwarmClassifier, steps=6)  # 3 epochs of 2 steps
+    train, _ = build_datasets(cfg.data, cfg.model.img_size)
+    loader = iter(train_loader(train, cfg.data, seed=1))
+    others = [next(loader) for _ in range(16)]
+    latest, _ = strategy._latest_batch
+    held_out, _ = strategy._held_out_batch  # kept by the training steps themselves
+    assert not torch.equal(held_out[0], latest[0])
+    params = list(module.parameters())
+    opt = torch.optim.AdamW(params, lr=2e-3)
+    for batch in [latest, *others] * 2:  # a peer some way into training
+        opt.zero_grad()
+        module.batch_loss(batch).backward()
+        opt.step()
+
+    def gradient(batches: list) -> list[torch.Tensor]:
+        module.zero_grad()
+        for batch in batches:
+            (module.batch_loss(batch) / len(batches)).backward()
+        return [p.grad.detach().clone() for p in params]
+
+    own, honest, flipped = gradient([latest]), gradient(others[:8]), gradient(others[8:])
+    # three honest parts and two at x -8, as a plain mean would give them
+    colluded = [(3 * h - 16 * f) / 5 for h, f in zip(honest, flipped, strict=True)]
+    before = [p.detach().clone() for p in params]
+    moments = [opt.state[p]["exp_avg_sq"].clone() for p in params]
+    screen = strategy.screen
+    assert screen.judge_step(params, honest, own, opt) is None, screen.stepped
+    reason = screen.judge_step(params, colluded, own, opt)
+    assert reason is not None and "a step on the averaged gradient raises" in reason, screen.stepped
+    assert screen.rejected_gradient_rounds == 1 and len(screen.stepped) == 2
+    assert all(torch.equal(p, q) for p, q in zip(params, before, strict=True))
+    assert all(torch.equal(opt.state[p]["exp_avg_sq"], m) for p, m in zip(params, moments, strict=True))
+    # an optimizer without Adam's moments is not judged so
+    assert screen.judge_step(params, colluded, own, torch.optim.SGD(params, lr=0.1)) is None

@@ -199,6 +199,9 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.screen = RoundScreen(reject_factor)  # judges every averaged result (swarm/averaging/screen.py)
         self.screen.probe = self._probe_loss
         self._latest_batch: tuple[Any, int] | None = None  # (the batch, the thread that trained on it)
+        # the latest batch of an earlier epoch, (batch, thread): it is in none of this epoch's gradients
+        self._held_out_batch: tuple[Any, int] | None = None
+        self._latest_epoch = -1  # the epoch of the latest batch
         # checks every downloaded state against the swarm's (swarm/averaging/donors.py); refused downloads
         own = node.dht.peer_id.to_base58()
         self.donor_check = DonorCheck(node.dht, run_id, own, node.invite) if check_downloads else None
@@ -527,21 +530,30 @@ class HivemindStrategy(SingleDeviceStrategy):
         return result
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Lightning's training step; the batch is kept for the screen's probe (``_probe_loss``)."""
+        """Lightning's training step; the batch is kept for the screen's probe (``_probe_loss``), and the
+        latest batch of the epoch before as the held-out one."""
         batch = args[0] if args else kwargs.get("batch")
+        epoch = self.local_epoch
+        if epoch != self._latest_epoch and self._latest_batch is not None:
+            self._held_out_batch = self._latest_batch
         self._latest_batch = (batch, threading.get_ident()) if batch is not None else None
+        self._latest_epoch = epoch
         return super().training_step(*args, **kwargs)
 
-    def _probe_loss(self, mine: list[torch.Tensor], theirs: list[torch.Tensor]) -> tuple[float, float] | None:
-        """The loss of this peer's latest training batch with its own parameters ``mine`` and with ``theirs``
-        in their place (the screen's ``Probe``), or None where it cannot be asked: no batch yet, a module
+    def _probe_loss(
+        self, mine: list[torch.Tensor], theirs: list[torch.Tensor], held_out: bool = False
+    ) -> tuple[float, float] | None:
+        """The loss of this peer's latest training batch (``held_out``: the latest of an earlier epoch, whose
+        gradient is in no gradient of this epoch) with its own parameters ``mine`` and with ``theirs`` in
+        their place (the screen's ``Probe``), or None where it cannot be asked: no batch yet, a module
         without ``batch_loss``, tensors that are not the module's own (an offloaded optimizer's copies), or a
         thread other than the training one (the parameters are swapped in place for the second loss)."""
         module = self.lightning_module
         loss_of = getattr(module, "batch_loss", None)
-        if self._latest_batch is None or loss_of is None:
+        kept = self._held_out_batch if held_out else self._latest_batch
+        if kept is None or loss_of is None:
             return None
-        batch, thread = self._latest_batch
+        batch, thread = kept
         own = {id(p) for p in module.parameters()}
         if thread != threading.get_ident() or not mine or any(id(t) not in own for t in mine):
             return None

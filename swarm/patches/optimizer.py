@@ -471,6 +471,11 @@ def screen_rounds(opt: Any, screen: Any, on_rejected: Any, own_scale: Any = None
                 reason = screen.judge_gradients(
                     averaged, averager.own_gradients, own_scale=scale, group_size=len(group) or None
                 )
+                # gradients, not DiLoCo's pseudo-gradients, where the strategy gave the screen a probe
+                if reason is None and own_scale is None and screen.probe is not None:
+                    params = list(opt.state_averager.main_parameters)
+                    optimizer = opt.state_averager.optimizer
+                    reason = screen.judge_step(params, averaged, averager.own_gradients, optimizer)
             if len(group) == 2:  # the robust rule cannot judge the other of two: this screen does
                 _judge_other(group, opt.dht.peer_id, screen.pair_scale)
             elif len(group) > 2:  # groupmates whose parts lay far from this peer's, in a round it rejects

@@ -32,6 +32,8 @@ member of a state round takes the largest epoch it gathered, whatever its size.
   contradict is undone and taken from the next donor instead. :func:`state_sketch` is what peers compare.
 - item 24: a refused donor's epoch does not make this peer download again (``refused_donors``, read by
   swarm/patches/optimizer.py ``decide_downloads_after_refusals``).
+- item 29: a downloaded state that is not whole (fewer tensors than its metadata names, or of other shapes)
+  is dropped before hivemind applies it (:func:`_not_whole`), and its donor refused.
 - item 25: a download notes whether a donor answered it (``donor_answered``): a state arrived (hivemind's
   ``DecentralizedAverager.load_state_from_peers`` returned one to ``TrainingStateAverager``,
   state_averager.py:667-674) and neither the screen nor the check undid it; hivemind applies it, or keeps
@@ -154,6 +156,7 @@ class _SettledState:
         self.held_epoch: int | None = None  # item 13: the epoch of the state the last download left here
         self.donor_answered = False  # item 25: a donor's state arrived in the last download, and stands
         self._swarm_received = False  # item 25: a state arrived in the download under way (_receiving)
+        self._swarm_not_whole: str | None = None  # item 29: why the state that arrived was dropped
         self._swarm_arrived = False  # item 4: this download's state arrived, and no state is served
         # item 23: a swarm.averaging.donors.DonorCheck, set by the strategy (None: any donor, unchecked); told
         # of refused donors through on_refused(donor, reason); the donors refused lately (base58 -> until)
@@ -440,9 +443,9 @@ class _SettledState:
             hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         epoch = self.local_epoch
         self._swarm_own_hyper = hyper  # put back before hivemind's scheduler catches up (_update_scheduler)
-        self._swarm_received = False
+        self._swarm_received, self._swarm_not_whole = False, None
         result = super().load_state_from_peers(**kwargs)
-        received = self._swarm_received
+        received, not_whole = self._swarm_received, self._swarm_not_whole
         reason = refused = None
         with torch.no_grad(), self.lock_averaged_tensors:
             self._restore_own_hyper()  # a download that ended before the scheduler's catch-up
@@ -474,6 +477,15 @@ class _SettledState:
         if reason is not None and check is None:  # with a check, its caller says why (on_refused)
             self.on_rejected("download", reason, 0)
         self.donor_answered = self.donor_answered or (received and reason is None and refused is None)
+        if not_whole is not None:  # item 29: nothing of it was applied
+            if check is None:
+                log.warning(
+                    "Dropped a state downloaded from a peer: %s (a stream cut short, or a donor of another "
+                    "model); this peer keeps its own state and asks again at its next download",
+                    not_whole,
+                )
+            else:  # its caller says why (on_refused) and asks the next donor
+                refused = f"the state is not whole: {not_whole}"
         return result if check is None else (result, refused)
 
     def _restore_own_hyper(self: Any) -> None:
@@ -538,6 +550,34 @@ class _SettledState:
                     pass
 
 
+def _not_whole(averager: Any, loaded: tuple) -> str | None:
+    """Why a downloaded ``(metadata, tensors)`` cannot be ``averager``'s state, or None (item 29). hivemind's
+    TrainingStateAverager.load_state_from_peers (state_averager.py:658-698) takes the first tensors as the
+    parameters and extras and looks the optimizer's up by the indices its metadata names
+    (``load_optimizer_state``, :730-739): a stream cut short, or a donor that sends fewer tensors or tensors
+    of other shapes, raised an IndexError or a copy error there, which hivemind.Optimizer logs as an ERROR
+    with its traceback and retries at once (optimizer.py:693-703), the same donor first."""
+    metadata, tensors = loaded if len(loaded) == 2 else (None, None)
+    if not isinstance(metadata, dict) or not isinstance(metadata.get("optimizer_metadata"), list):
+        return "its metadata is malformed"
+    if not isinstance(tensors, list | tuple) or not all(isinstance(t, torch.Tensor) for t in tensors):
+        return "what arrived is not a list of tensors"
+    mine = [p for group in averager.optimizer.param_groups for p in group["params"]]
+    mine += list(averager.extra_tensors)
+    if len(tensors) < len(mine):
+        return f"{len(tensors)} tensors arrived, fewer than this model's {len(mine)} parameters and extras"
+    for i, (own, theirs) in enumerate(zip(mine, tensors[: len(mine)], strict=True)):
+        if theirs.shape != own.shape:
+            return f"tensor {i} has shape {tuple(theirs.shape)}, this model's {tuple(own.shape)}"
+    sent = len(tensors) - len(mine)  # the optimizer's tensors that arrived
+    for entry in metadata["optimizer_metadata"]:
+        if isinstance(entry, dict) and entry.get("type") == "tensor":
+            index = entry.get("index")
+            if not isinstance(index, int) or not 0 <= index < sent:
+                return f"its optimizer state names tensor {index!r}, and {sent} optimizer tensors arrived"
+    return None
+
+
 def _receiving(averager: type) -> type:
     """``averager`` (hivemind's DecentralizedAverager) noting whether its ``load_state_from_peers`` returned a
     downloaded state (item 25): placed between TrainingStateAverager and it in the class
@@ -548,6 +588,9 @@ def _receiving(averager: type) -> type:
     def load_state_from_peers(self: Any, *args: Any, **kwargs: Any) -> Any:
         loaded = super(receiving, self).load_state_from_peers(*args, **kwargs)
         if isinstance(loaded, tuple):
+            self._swarm_not_whole = _not_whole(self, loaded)
+            if self._swarm_not_whole is not None:  # item 29: dropped before hivemind applies any of it
+                return None
             self._swarm_received = True
             self._state_arrived()  # item 4: serve nothing until it is applied, judged and numbered
         return loaded

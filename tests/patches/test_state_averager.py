@@ -10,6 +10,7 @@ holds."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import threading
 import time
@@ -583,6 +584,80 @@ def test_a_download_judges_and_undoes_the_optimizer_state_the_rounds_do_not_aver
             assert total_norm(got) > 1e5 * total_norm(own)
             assert a.optimizer.param_groups[0]["weight_decay"] == 1000.0
             assert not rejected
+    finally:
+        _shutdown(a, b)
+
+
+@pytest.mark.parametrize("mode", ["plain hivemind", "patched", "checked"])
+def test_a_download_cut_short_is_dropped_whole_not_failed_with_an_error(request, mode, caplog):
+    """Item 29. A donor whose stream ends early, here one that sends its state without the last tensor of its
+    optimizer state (SGD's momentum buffer): hivemind looks the optimizer's tensors up by the indices the
+    metadata names and raises IndexError (optim/state_averager.py:737), which hivemind.Optimizer logs as an
+    ERROR with its traceback and retries at once (optimizer.py:693-703). The swarm's state averager drops the
+    state before any of it is applied, says why in one line, and keeps its own parameters, optimizer state
+    and epoch; with the download check (item 23) the donor is refused, as a contradicted one is."""
+    from swarm.averaging.donors import DonorCheck
+
+    patched = mode != "plain hivemind"
+    node_a, node_b = _nodes(request, patched, 2)
+    torch.manual_seed(0)
+    net_a, net_b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    momentum = partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    base = _class(patched)
+
+    def cut_short(self):
+        metadata, tensors, infos = base.get_current_state(self)
+        return metadata, tensors[:-1], infos[:-1]
+
+    prefix = f"pytest-sa-cut-short-{mode.replace(' ', '-')}"
+    a = base(dht=node_a, params=net_a.parameters(), prefix=prefix, optimizer=momentum, start=True)
+    try:
+        b = _class(patched, get_current_state=cut_short)(
+            dht=node_b, params=net_b.parameters(), prefix=prefix, optimizer=momentum, start=True
+        )
+    except BaseException:
+        a.shutdown()
+        raise
+    raised: list[BaseException] = []
+    refused: list = []
+    if mode == "checked":
+        a.check_download = DonorCheck(node_a, f"{prefix}-run", a.peer_id.to_base58())
+        a.on_refused = lambda donor, reason: refused.append((donor, reason))
+
+    def download() -> object:
+        try:
+            return a.load_state_from_peers(timeout=5)
+        except IndexError as exc:  # plain hivemind's failure
+            raised.append(exc)
+            return exc
+
+    try:
+        for averager in (a, b):  # one update each: the momentum buffers exist
+            for p in averager.main_parameters:
+                p.grad = torch.ones_like(p)
+            averager.step(optimizer_step=True)
+        kept = _copies(net_a)
+        own = [a.optimizer.state[p]["momentum_buffer"].clone() for p in a.main_parameters]
+        b.local_epoch, b.state_sharing_priority = 3, 3
+        assert wait_until(lambda: _donor_visible(node_a, prefix, b), timeout=30)
+        if not patched:
+            assert wait_until(lambda: isinstance(download(), IndexError), timeout=60)
+            assert "list index out of range" in str(raised[-1])
+            return
+        assert wait_until(lambda: download() is None and a._swarm_not_whole is not None, timeout=60)
+        assert not raised
+        why = "its optimizer state names tensor 1, and 1 optimizer tensors arrived"
+        assert why in a._swarm_not_whole
+        got = [a.optimizer.state[p]["momentum_buffer"] for p in a.main_parameters]
+        assert all(torch.equal(g, o) for g, o in zip(got, own, strict=True))
+        assert _holds(net_a, kept) and a.local_epoch == 0 and not a.donor_answered
+        said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        if mode == "checked":  # its caller says why (the strategy's warning), once
+            ((donor, reason),) = refused
+            assert donor == b.peer_id.to_base58() and why in reason and donor in a.refused_donors
+            assert not any(m.startswith("Dropped a state downloaded") for m in said), said
+        else:
+            assert any(m.startswith("Dropped a state downloaded from a peer: its") for m in said), said
     finally:
         _shutdown(a, b)
 

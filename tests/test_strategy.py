@@ -487,3 +487,8 @@ def test_a_gradient_round_that_turns_uphill_is_rejected_by_the_step_adam_would_t
     assert all(torch.equal(opt.state[p]["exp_avg_sq"], m) for p, m in zip(params, moments, strict=True))
     # an optimizer without Adam's moments is not judged so
     assert screen.judge_step(params, colluded, own, torch.optim.SGD(params, lr=0.1)) is None
+    # a lone rejection by the step is news (one honest round in about 200 is rejected so); the next round
+    # that passes its norm and distance but not its step makes two in a row, a warning
+    assert screen.by_step and screen.in_row["gradient"] == 1
+    assert screen.judge_gradients(own, own) is None and screen.in_row["gradient"] == 0
+    assert screen.judge_step(params, colluded, own, opt) is not None and screen.in_row["gradient"] == 2

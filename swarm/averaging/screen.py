@@ -122,8 +122,8 @@ STATE_RADIUS = 0.25
 PROBE_RISE = 0.3
 PROBE_SHARE = 0.5
 # a gradient round, where the screen has a probe: the step that Adam would take on the averaged gradient
-# without its momentum may raise the loss of this peer's held-out batch at most this much (nats) more than
-# the same step on this peer's own gradient
+# without its momentum may raise the loss of this peer's latest batch, or of its held-out one, at most this
+# much (nats) more than the same step on this peer's own gradient
 STEP_RISE = 1.0
 
 # (this peer's parameters, the averaged ones[, held_out]) -> the loss of this peer's latest batch (held_out:
@@ -168,6 +168,10 @@ class RoundScreen:
         self.rejected_downloads = 0
         # results of each kind rejected since the last accepted one
         self.in_row = {"gradient": 0, "state": 0, "download": 0}
+        self._gradient_row = 0  # the gradient rounds rejected in a row before the latest that passed
+        # whether the latest rejection was a gradient round's step alone (judge_step): about 1 honest round
+        # in 200 is, so a lone one is news rather than a warning (HivemindStrategy._on_rejected_round)
+        self.by_step = False
         # a state round's average lay beyond STATE_RADIUS since the peer last asked (``take_far_state``):
         # either groupmates that own the group sent other parameters, or this peer's own state is astray
         self._far_state = False
@@ -255,6 +259,7 @@ class RoundScreen:
             )
         else:
             self.norms.append(norm)
+            self._gradient_row = self.in_row["gradient"]  # a rejection by its step (judge_step) goes on
             self.in_row["gradient"] = 0
             return None
         self.rejected_gradient_rounds += 1
@@ -399,6 +404,7 @@ class RoundScreen:
         if averaged_rise <= own_rise + STEP_RISE:  # False for nan
             return None
         self.rejected_gradient_rounds += 1
+        self.in_row["gradient"] = self._gradient_row  # judge_gradients, which passed it, had ended the row
         (latest_own, latest_averaged), (held_own, held_averaged) = seen
         return self._rejected(
             "gradient",
@@ -407,10 +413,12 @@ class RoundScreen:
             f"gradient by {latest_own:.3f} and {held_own:.3f} (the limit is {STEP_RISE:g} more than its own "
             f"on both): groupmates that sent uphill gradients, or a rare honest round (about 1 in 200 "
             f"goes so far)",
+            by_step=True,
         )
 
-    def _rejected(self, kind: str, reason: str) -> str:
+    def _rejected(self, kind: str, reason: str, by_step: bool = False) -> str:
         self.in_row[kind] += 1
+        self.by_step = by_step
         return reason
 
 

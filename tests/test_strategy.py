@@ -448,11 +448,11 @@ def test_a_state_whose_parameters_went_uphill_is_rejected_by_the_loss_of_the_lat
 
 def test_a_gradient_round_that_turns_uphill_is_rejected_by_the_step_adam_would_take():
     """Two colluders of five whose x -8 flips the robust rule only partly clips turn a round's average
-    uphill while it stays within RADIUS of an honest peer's gradient. The screen asks the loss of a batch
-    held out of this epoch's gradients (the latest batch of the epoch before) after the step Adam would take
-    on the average without its momentum, and after the same step on this peer's own gradient
-    (``judge_step``): the colluders' round raises it far more than its own step, an honest average of other
-    batches does not, and the optimizer and parameters are left as they were."""
+    uphill while it stays within RADIUS of an honest peer's gradient. The screen asks the loss of the latest
+    batch and of one held out of this epoch's gradients (the latest batch of the epoch before) after the step
+    Adam would take on the average without its momentum, and after the same step on this peer's own
+    gradient (``judge_step``): the colluders' round raises both far more than its own step, an honest
+    average of other batches does not, and the optimizer and parameters are left as they were."""
     cfg, strategy, _, module, _ = _fit(SwarmClassifier, steps=6)  # 3 epochs of 2 steps
     train, _ = build_datasets(cfg.data, cfg.model.img_size)
     loader = iter(train_loader(train, cfg.data, seed=1))

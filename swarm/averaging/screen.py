@@ -126,9 +126,9 @@ PROBE_SHARE = 0.5
 # much (nats) more than the same step on this peer's own gradient
 STEP_RISE = 1.0
 
-# (this peer's parameters, the averaged ones[, held_out]) -> the loss of this peer's latest batch (held_out:
-# the latest batch of an earlier epoch) with each, or None
-Probe = Callable[..., "tuple[float, float] | None"]
+# (this peer's parameters, *candidates[, held_out]) -> the loss of this peer's latest batch (held_out: the
+# latest batch of an earlier epoch) with its own parameters, then with each candidate; or None
+Probe = Callable[..., "tuple[float, ...] | None"]
 
 
 def _distance(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
@@ -390,14 +390,11 @@ class RoundScreen:
         # held out of every gradient of this epoch; the round is rejected only where both see it go uphill
         seen = []
         for held_out in (False, True):
-            along_own = self.probe(params, own_step, held_out=held_out)
-            if along_own is None:
+            losses = self.probe(params, own_step, averaged_step, held_out=held_out)
+            if losses is None:
                 return None
-            along_averaged = self.probe(params, averaged_step, held_out=held_out)
-            if along_averaged is None:
-                return None
-            before, own_after = along_own
-            seen.append((own_after - before, along_averaged[1] - before))
+            before, own_after, averaged_after = losses
+            seen.append((own_after - before, averaged_after - before))
         excess = [averaged - own if math.isfinite(averaged - own) else math.inf for own, averaged in seen]
         own_rise, averaged_rise = seen[excess.index(min(excess))]  # the witness that sees the least rise
         self.stepped.append((own_rise, averaged_rise))

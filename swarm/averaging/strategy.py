@@ -541,13 +541,13 @@ class HivemindStrategy(SingleDeviceStrategy):
         return super().training_step(*args, **kwargs)
 
     def _probe_loss(
-        self, mine: list[torch.Tensor], theirs: list[torch.Tensor], held_out: bool = False
-    ) -> tuple[float, float] | None:
+        self, mine: list[torch.Tensor], *candidates: list[torch.Tensor], held_out: bool = False
+    ) -> tuple[float, ...] | None:
         """The loss of this peer's latest training batch (``held_out``: the latest of an earlier epoch, whose
-        gradient is in no gradient of this epoch) with its own parameters ``mine`` and with ``theirs`` in
-        their place (the screen's ``Probe``), or None where it cannot be asked: no batch yet, a module
-        without ``batch_loss``, tensors that are not the module's own (an offloaded optimizer's copies), or a
-        thread other than the training one (the parameters are swapped in place for the second loss)."""
+        gradient is in no gradient of this epoch) with its own parameters ``mine``, then with each of
+        ``candidates`` in their place (the screen's ``Probe``), or None where it cannot be asked: no batch
+        yet, a module without ``batch_loss``, tensors that are not the module's own (an offloaded optimizer's
+        copies), or a thread other than the training one (the parameters are swapped in place)."""
         module = self.lightning_module
         loss_of = getattr(module, "batch_loss", None)
         kept = self._held_out_batch if held_out else self._latest_batch
@@ -564,10 +564,11 @@ class HivemindStrategy(SingleDeviceStrategy):
             # as the training step ran it: the precision's input conversion and autocast
             batch = self.precision_plugin.convert_input(batch)
             with torch.no_grad(), self.precision_plugin.train_step_context():
-                before = float(loss_of(batch))
-                for tensor, new in zip(mine, theirs, strict=True):
-                    tensor.data = new.detach().to(tensor.device, tensor.dtype)
-                after = float(loss_of(batch))
+                losses = [float(loss_of(batch))]
+                for theirs in candidates:
+                    for tensor, new in zip(mine, theirs, strict=True):
+                        tensor.data = new.detach().to(tensor.device, tensor.dtype)
+                    losses.append(float(loss_of(batch)))
         except Exception as exc:  # a probe that cannot run judges nothing; training goes on
             log.debug("The screen's probe failed: %r", exc)
             return None
@@ -575,7 +576,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             for tensor, old in zip(mine, saved, strict=True):
                 tensor.data = old
             module.train(training)
-        return before, after
+        return tuple(losses)
 
     def _match_group_size(self) -> None:
         """Let averaging groups close as soon as every peer the tracker sees is in

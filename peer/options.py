@@ -251,6 +251,12 @@ def averaging_options(func: Callable) -> Callable:
                 "and ask the next donor if they contradict it [on].",
             ),
             click.option(
+                "--judge-steps/--no-judge-steps",
+                default=None,
+                help="Also reject a gradient round when the step Adam would take on it raises the loss of "
+                "this peer's latest and held-out batches far more than a step on its own gradient [off].",
+            ),
+            click.option(
                 "--compression",
                 default=None,
                 metavar="none|fp16|int8|powersgd:<rank>",

@@ -479,6 +479,9 @@ def test_a_gradient_round_that_turns_uphill_is_rejected_by_the_step_adam_would_t
     before = [p.detach().clone() for p in params]
     moments = [opt.state[p]["exp_avg_sq"].clone() for p in params]
     screen = strategy.screen
+    # off by default (the swarm setting judge_steps): no round is judged so
+    assert screen.judge_step(params, colluded, own, opt) is None and not screen.stepped
+    screen.judge_steps = True
     assert screen.judge_step(params, honest, own, opt) is None, screen.stepped
     reason = screen.judge_step(params, colluded, own, opt)
     assert reason is not None and "a step on the averaged gradient raises" in reason, screen.stepped

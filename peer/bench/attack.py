@@ -17,7 +17,8 @@
 - progress records that claim a far-future epoch (``--inject-fault claim_epoch``: its epoch + 10^6) from a
   peer that serves only its real state: whether the honest peers train on or download at every step;
 - two attackers among five peers: x -8 into three honest peers, random state rounds, and two colluding bad
-  donors (one state, each vouching for it) to a newcomer.
+  donors (one state, each vouching for it) to a newcomer; and x -8 again with the honest peers' rounds also
+  judged by a step on them (``--judge-steps``, swarm/averaging/screen.py ``judge_step``).
 
 (An inner-product manipulation, a push of -e times the honest mean, is a flip: with one attacker among n
 honest peers it turns the mean uphill only for e > n, the x -4 and x -8 rows.)
@@ -94,6 +95,15 @@ ROWS = (
     Row("donor: random parameters", "bad_donor@+2", "download check", (), honest=3, attackers=2, newcomer=()),
     Row("x -1 (sign-flipped)", f"flip_grad:1@+2{ALWAYS}", "screen, robust mean", (), honest=3, attackers=2),
     Row("random, honest norm", f"random_grad@+2{ALWAYS}", "screen, robust mean", (), honest=3, attackers=2),
+    Row(
+        "x -8 (sign-flipped)",
+        f"flip_grad@+2{ALWAYS}",
+        "screen, robust mean, steps judged",
+        (),
+        ("--judge-steps",),
+        honest=3,
+        attackers=2,
+    ),
 )
 NEWCOMER_AFTER = 8.0  # seconds from the attack's start to the newcomer's (the donor's record is paced at 5 s)
 

@@ -6,11 +6,10 @@ as it likes, and the guard (swarm/averaging/guard.py) only catches non-finite va
 results:
 
 - **a gradient round** (docs/hivemind-patches.md item 7): the averaged gradient's norm against ``factor``
-times
-  the larger of this peer's own gradient norm of the same round and the median norm of the last accepted
-  rounds. A mean of honest gradients is never longer than the longest of them (the triangle inequality), so
-  an honest round stays near this peer's own norm; a peer whose gradient is 10,000 times too large moves
-  the mean of 3 peers about 3,000 times.
+  times the larger of this peer's own gradient norm of the same round and the median norm of the last accepted
+  rounds. A mean of honest gradients is never longer than the longest of them (the triangle inequality), so an
+  honest round stays near this peer's own norm; a peer whose gradient is 10,000 times too large moves the mean
+  of 3 peers about 3,000 times.
 - **a state averaging round** (parameters, optimizer statistics, extra tensors), role by role: the
   averaged tensors' norm against the larger of this peer's own and the median norm of that role in the last
   accepted states (averaged or downloaded), times ``factor`` for parameters and ``factor`` squared for the
@@ -45,18 +44,21 @@ times
 - **a state download** (hivemind.Optimizer downloads the newest peer's state whenever this peer falls
   behind): judged like a state averaging round, against the state this peer held before.
 
-- **a gradient round's step** (gradient averaging, with a probe and an optimizer that keeps Adam's second
-  moments): the step that Adam would take on the averaged gradient without its momentum (each gradient over
-  the root of its second moment updated with it) may raise the loss of this peer's latest batch, or that of
-  a batch held out of this epoch's gradients (the latest of the epoch before), at most ``STEP_RISE`` (1)
-  more than the same step on this peer's own gradient; the round is rejected only where both batches see
-  it go further uphill (``judge_step``). Two colluders of four or five whose x -8 flips the robust rule
-  only partly clips turn an average uphill while it lies within ``RADIUS``; Adam then carries it on for
-  several steps (an honest peer went from val acc 0.905 to 0.359 in 3 epochs through two such rounds).
-  Without momentum a step judges the round itself, but it is large, and honest rounds go over the limit
-  too: with the latest batch alone 6 of 696 in a run without an attacker, with the held-out batch alone 4
-  of 641, with both 3 of 596 (the colluders' rounds rose 1-3 more). A step of the learning rate against
-  the gradient's sign was worse (26 honest rounds rejected).
+- **a gradient round's step** (where ``judge_steps`` is on, the swarm setting of that name, off by default;
+  gradient averaging, with a probe and an optimizer that keeps Adam's second moments): the step that Adam
+  would take on the averaged gradient without its momentum (each gradient over the root of its second moment
+  updated with it) may raise the loss of this peer's latest batch, or that of a batch held out of this epoch's
+  gradients (the latest of the epoch before), at most ``STEP_RISE`` (1) more than the same step on this peer's
+  own gradient; the round is rejected only where both batches see it go further uphill (``judge_step``). Two
+  colluders of four or five whose x -8 flips the robust rule only partly clips turn an average uphill while it
+  lies within ``RADIUS``; Adam then carries it on for several steps (an honest peer went from val acc 0.905 to
+  0.359 in 3 epochs through two such rounds). Without momentum a step judges the round itself, but it is
+  large, and honest rounds go over the limit too: with the latest batch alone 6 of 696 in a run without an
+  attacker, with the held-out batch alone 4 of 641, with both 3 of 596 (the colluders' rounds rose 1-3 more),
+  and 9 of about 960 in four runs of the multi-peer localhost test. A peer that rejects a round keeps its own
+  state and skips the epoch's state round, so it holds another state than the others for an epoch or two:
+  hence off by default. A step of the learning rate against the gradient's sign was worse (26 honest rounds
+  rejected).
 
 - **a gradient round's distance**: the averaged gradient must also lie within ``RADIUS`` (3) times the
   reference (above) of this peer's own gradient. In a round of two no robust rule can outvote the other peer
@@ -178,6 +180,8 @@ class RoundScreen:
         # the largest distance of an accepted state round's parameters from this peer's own (over their norm)
         # since the last ``take_state_away``: what each round of the peer's record moved it by
         self._state_away: float | None = None
+        # judge gradient rounds by a step on them too (``judge_step``; the swarm setting ``judge_steps``)
+        self.judge_steps = False
         # set by HivemindStrategy once the peer has trained on a batch (``Probe``); None: no loss is asked
         self.probe: Probe | None = None
         # of the state rounds the probe judged: the loss with this peer's parameters, and with the averaged
@@ -379,8 +383,9 @@ class RoundScreen:
         only partly clips turn a round's average uphill while it lies within ``RADIUS`` of this peer's
         gradient; Adam's momentum then carries the damage on for several steps, so the step is judged
         without it. None also where the optimizer keeps no Adam moments for every parameter, or before this
-        peer has a held-out batch."""
-        if self.probe is None or self.factor <= 0 or own is None:
+        peer has a held-out batch, or where ``judge_steps`` is off (the default: it also rejects 1 honest
+        round in 100 to 200)."""
+        if not self.judge_steps or self.probe is None or self.factor <= 0 or own is None:
             return None
         own_step = _adam_steps(optimizer, params, own)
         averaged_step = _adam_steps(optimizer, params, averaged)

@@ -136,6 +136,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         check_downloads: check every state downloaded from a donor against the states that the other peers
             published for its epoch, and take it from the next donor if they contradict it (see
             swarm/averaging/donors.py).
+        judge_steps: also judge each gradient round by the loss after the step Adam would take on it (see
+            swarm/averaging/screen.py ``judge_step``).
         overlap_rounds: DiLoCo: run each outer round in the background while the inner steps go on, and
             apply its result one round late (see swarm/averaging/diloco.py).
         optimizer_kwargs: passed on to ``hivemind.Optimizer``.
@@ -174,6 +176,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         skip_agreed_state_rounds: bool = True,
         aggregation: str = "centered_clip",
         check_downloads: bool = True,
+        judge_steps: bool = False,
         overlap_rounds: bool = False,
         match_early: bool = False,
         **optimizer_kwargs: Any,
@@ -198,6 +201,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.aggregation = aggregation  # how this peer reduces its slices of rounds (swarm/patches/robust.py)
         self.screen = RoundScreen(reject_factor)  # judges every averaged result (swarm/averaging/screen.py)
         self.screen.probe = self._probe_loss
+        self.screen.judge_steps = judge_steps
         self._latest_batch: tuple[Any, int] | None = None  # (the batch, the thread that trained on it)
         # the latest batch of an earlier epoch, (batch, thread): it is in none of this epoch's gradients
         self._held_out_batch: tuple[Any, int] | None = None
@@ -280,6 +284,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             skip_agreed_state_rounds=swarm.skip_agreed_state_rounds,
             aggregation=swarm.aggregation,
             check_downloads=swarm.check_downloads,
+            judge_steps=swarm.judge_steps,
             overlap_rounds=swarm.overlap_rounds,
             match_early=swarm.match_early,
         )

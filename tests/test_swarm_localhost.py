@@ -172,7 +172,7 @@ def test_peers_train_together(peers, tmp_path):
         for line in p.lines
         if "Refused" in line and donors.AHEAD not in line
     ]
-    assert not refused, refused
+    assert not refused, "\n".join(refused)  # a string: pytest shows each line whole
 
     # nothing is left behind once the peers are done
     code = boot.stop(grace=15)

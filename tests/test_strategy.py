@@ -396,8 +396,8 @@ def test_a_state_whose_parameters_went_uphill_is_rejected_by_the_loss_of_the_lat
     """Colluders that own a state round's group make its result their parameters, and a few uphill steps
     leave those as near as an honest groupmate's (within STATE_RADIUS). The screen asks the strategy for the
     loss of this peer's latest batch with them (``_probe_loss``) and keeps its own parameters; an honest
-    groupmate's, a few steps downhill on other data, pass. The probe leaves the module's parameters as
-    they were. A download from a donor that went uphill is refused the same way."""
+    groupmate's, a few steps downhill on other data with the Adam it trained with, pass. The probe leaves the
+    module's parameters as they were. A download from a donor that went uphill is refused the same way."""
     from swarm.averaging.screen import PROBE_RISE, PROBE_SHARE, STATE_RADIUS, _distance, total_norm
     from swarm.training.data import build_datasets
 
@@ -406,26 +406,33 @@ def test_a_state_whose_parameters_went_uphill_is_rejected_by_the_loss_of_the_lat
     train, _ = build_datasets(cfg.data, cfg.model.img_size)
     others = [next(iter(train_loader(train, cfg.data, seed=seed))) for seed in (1, 2, 3)]
 
-    def stepped(sign: float, steps: int, lr: float, batches: list) -> list[torch.Tensor]:
-        """The module's parameters after ``steps`` of Adam on ``batches`` (uphill for ``sign`` -1)."""
-        copy = SwarmClassifier(cfg.model, cfg.train, weights=False)
-        copy.load_state_dict(module.state_dict())
-        opt = torch.optim.Adam(copy.parameters(), lr=lr)
+    def stepped(sign: float, steps: int, lr: float, batches: list, then: tuple | None = None) -> tuple:
+        """The parameters after ``steps`` of Adam on ``batches`` (uphill for ``sign`` -1) from the module's
+        with a fresh Adam, or going on from ``then`` (a model and its Adam); and that model and Adam."""
+        if then is None:
+            copy = SwarmClassifier(cfg.model, cfg.train, weights=False)
+            copy.load_state_dict(module.state_dict())
+            then = copy, torch.optim.Adam(copy.parameters(), lr=lr)
+        copy, opt = then
         for i in range(steps):
             opt.zero_grad()
             (sign * copy.batch_loss(batches[i % len(batches)])).backward()
             opt.step()
-        return [p.detach().clone() for p in copy.parameters()]
+        return [p.detach().clone() for p in copy.parameters()], then
 
     latest, _ = strategy._latest_batch
-    trained = stepped(1.0, 30, 2e-3, [latest, *others])  # a peer some way into training
+    trained, peer = stepped(1.0, 30, 2e-3, [latest, *others])  # a peer some way into training
     with torch.no_grad():
         for p, value in zip(mine, trained, strict=True):
             p.copy_(value)
     before = [p.detach().clone() for p in mine]
     norm = total_norm(before)
-    uphill, honest = stepped(-1.0, 3, 2e-3, others), stepped(1.0, 3, 2e-3, others)
-    # the distance alone lets it through (0.08 of the norm here, the honest one 0.05)
+    # colluders' few uphill steps, with a fresh Adam (its first steps move every coordinate by the learning
+    # rate); an honest groupmate that went on alone for a few steps on other data, with the Adam it had
+    uphill, _ = stepped(-1.0, 3, 2e-3, others)
+    honest, _ = stepped(1.0, 3, 2e-3, others, then=peer)
+    # the distance alone lets it through (0.075 of the norm here; the honest one 0.023, where honest state
+    # rounds lay up to 0.04 apart)
     assert _distance(before, uphill) / norm < STATE_RADIUS
     own, averaged = strategy._probe_loss(mine, uphill)
     assert averaged > own + PROBE_RISE + PROBE_SHARE * own, (own, averaged)

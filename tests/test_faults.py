@@ -145,7 +145,10 @@ def test_a_peer_whose_state_went_astray_takes_the_swarms_instead_of_rejecting_ev
     ended at val acc 0.51 against the others' 0.85, and both others banned it."""
     run = "pytest-astray"
     _, address = _bootstrap(peers, run, tmp_path)
-    common = ("--max-epochs", "100000", "--initial-peers", address)
+    # the three start training together: where the swarm makes 4-5 global epochs a second, c came up 13 epochs
+    # behind the others and wandered while it still caught up, so it took their state as a peer behind does
+    # (a download) before its astray check could run
+    common = ("--max-epochs", "100000", "--initial-peers", address, "--min-peers", "3")
     honest = [_join(peers, name, run, tmp_path, *common, seed=seed) for name, seed in (("a", 1), ("b", 2))]
     astray = _join(peers, "c", run, tmp_path, *common, "--inject-fault", "wander@+6", seed=3)
     went = astray.wait_for(
@@ -482,7 +485,10 @@ def test_a_peer_killed_mid_accumulation_in_matchmaking_or_in_allreduce(peers, tm
 @pytest.mark.slow  # 80 s; the default suite keeps the faulty-peer test, `make test-slow` runs this one
 def test_the_entry_peer_dies_and_newcomers_join_through_any_survivor(peers, tmp_path):
     run = "pytest-entry"
-    forever = ("--max-epochs", "100000")
+    # the three first peers start training together: alone, the entry peer made 24-26 global epochs before
+    # the others were up on a machine where the swarm makes 4-5 a second, and they refused its state as one
+    # that no other peer could vouch for (an epoch ahead of every other peer's), and no one state
+    forever = ("--max-epochs", "100000", "--min-peers", "3")
     entry = _join(peers, "entry", run, tmp_path, *forever, seed=1)
     address = entry.join_address(timeout=120)
     others = [

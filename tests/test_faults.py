@@ -487,7 +487,7 @@ def test_the_entry_peer_dies_and_newcomers_join_through_any_survivor(peers, tmp_
     run = "pytest-entry"
     # the three first peers start training together: alone, the entry peer made 24-26 global epochs before
     # the others were up on a machine where the swarm makes 4-5 a second, and they refused its state as one
-    # that no other peer could vouch for (an epoch ahead of every other peer's), and no one state
+    # that no other peer could vouch for (an epoch ahead of every other peer's)
     forever = ("--max-epochs", "100000", "--min-peers", "3")
     entry = _join(peers, "entry", run, tmp_path, *forever, seed=1)
     address = entry.join_address(timeout=120)

@@ -172,7 +172,7 @@ class RoundScreen:
         self.in_row = {"gradient": 0, "state": 0, "download": 0}
         self._gradient_row = 0  # the gradient rounds rejected in a row before the latest that passed
         # whether the latest rejection was a gradient round's step alone (judge_step): about 1 honest round
-        # in 200 is, so a lone one is news rather than a warning (HivemindStrategy._on_rejected_round)
+        # in 100 to 200 is, so a lone one is news rather than a warning (HivemindStrategy._on_rejected_round)
         self.by_step = False
         # a state round's average lay beyond STATE_RADIUS since the peer last asked (``take_far_state``):
         # either groupmates that own the group sent other parameters, or this peer's own state is astray
@@ -413,7 +413,7 @@ class RoundScreen:
             f"a step on the averaged gradient raises the loss of this peer's latest batch by "
             f"{latest_averaged:.3f} and of a batch held out of it by {held_averaged:.3f}, one on its own "
             f"gradient by {latest_own:.3f} and {held_own:.3f} (the limit is {STEP_RISE:g} more than its own "
-            f"on both): groupmates that sent uphill gradients, or a rare honest round (about 1 in 200 "
+            f"on both): groupmates that sent uphill gradients, or a rare honest round (1 in 100 to 200 "
             f"goes so far)",
             by_step=True,
         )

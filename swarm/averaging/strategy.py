@@ -656,7 +656,7 @@ class HivemindStrategy(SingleDeviceStrategy):
                 what, instead = "the state averaging round", "keeps its own state"
             else:
                 what, instead = "the state downloaded from peers", "keeps its own state and takes their epoch"
-            # a lone gradient round rejected by its step alone: news (about 1 honest round in 200 is)
+            # a lone gradient round rejected by its step alone: news (1 honest round in 100 to 200 is)
             lone_step = kind == "gradient" and self.screen.by_step and row == 1
             log.log(
                 logging.INFO if lone_step else logging.WARNING,

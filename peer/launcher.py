@@ -228,11 +228,29 @@ def fresh_process_locks() -> None:
     _AsyncContextWrapper.EXECUTOR_LOCK = mp.Lock()
 
 
+def shared_memory_manager() -> None:
+    """Start torch's shared-memory manager before this process takes its output pipe.
+
+    hivemind shares tensors between a peer's processes through files in shared memory (utils/mpfuture.py:22,
+    torch's ``file_system`` strategy). The first such tensor starts ``torch_shm_manager``, which runs in a
+    session of its own and keeps the standard error of the process that started it until the last of that
+    peer's processes has gone, and a moment after (about 2 s). Started from the peer itself it would hold
+    the peer's output pipe open that long after the peer ended, and whoever reads the pipe to its end (the
+    demo, the tests) would wait for it. Started here, it holds the launcher's instead; the peer and the
+    processes it forks use it as they would have used their own."""
+    import torch
+
+    torch.empty(1).share_memory_()
+
+
 def run_peer(request: dict, out: int) -> None:
     import runpy
 
     os.setsid()
     fresh_process_locks()
+    if request["args"][:1] in (["join"], ["monitor"]):  # the roles whose processes share tensors
+        os.set_inheritable(out, False)
+        shared_memory_manager()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(out, 1)

@@ -216,6 +216,22 @@ def test_unreachable_initial_peer_is_a_clear_error(peers, tmp_path):
     out = peer.output()
     assert "could not reach the initial peers" in out and "firewall" in out and "--client-mode" in out
     assert "Traceback" not in out
+    # its output ends with it: once its group has gone, no other process (torch's shared-memory manager, in
+    # a session of its own, kept it open about 2 s more) holds the pipe the test reads it through
+    assert wait_until(lambda: not group_members(peer.pgid), timeout=30)
+    assert not _pipe_holders(peer.proc.stdout.fileno()), _pipe_holders(peer.proc.stdout.fileno())
+
+
+def _pipe_holders(fd: int) -> dict[int, str]:
+    """The processes other than this one with the pipe of ``fd`` open: {pid: command line}."""
+    pipe = f"pipe:[{os.fstat(fd).st_ino}]"
+    found = {}
+    for link in glob.glob("/proc/[0-9]*/fd/*"):
+        pid = int(link.split("/")[2])
+        with contextlib.suppress(OSError):
+            if pid != os.getpid() and os.readlink(link) == pipe:
+                found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    return found
 
 
 def _lone_peer(peers, tmp_path, monkeypatch, name: str, *extra: str) -> tuple[dict, PeerProcess]:

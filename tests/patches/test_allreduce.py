@@ -17,6 +17,7 @@ from swarm.waiting import wait_until
 from tests.patches.common import (
     ALL_BUT_ROBUST,
     MATCHMAKING,
+    PLAIN,
     PLAIN_OR_PATCHED,
     _abandoning_join_request,
     _state,
@@ -86,8 +87,11 @@ def test_one_all_reduce_part_per_buffer_not_per_tensor_and_the_average_is_exact(
 
 @pytest.mark.parametrize(
     ("dropped", "named"),
-    [(False, False), (True, False), (True, True)],
-    ids=["plain hivemind", "item 8 without item 11", "patched"],
+    [
+        pytest.param(False, False, marks=PLAIN, id="plain hivemind"),
+        pytest.param(True, False, id="item 8 without item 11"),
+        pytest.param(True, True, id="patched"),
+    ],
 )
 def test_a_groupmate_that_never_joins_is_dropped_named_and_met_in_the_next_round(
     nodes, dropped, named, monkeypatch

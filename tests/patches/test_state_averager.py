@@ -23,7 +23,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from swarm.averaging.screen import RoundScreen, total_norm
 from swarm.patches import state_averager
 from swarm.waiting import wait_until
-from tests.patches.common import MATCHMAKING, PLAIN_OR_PATCHED
+from tests.patches.common import MATCHMAKING, PLAIN, PLAIN_OR_PATCHED
 
 
 def _nodes(request: pytest.FixtureRequest, patched: bool, n: int) -> list:
@@ -588,7 +588,7 @@ def test_a_download_judges_and_undoes_the_optimizer_state_the_rounds_do_not_aver
         _shutdown(a, b)
 
 
-@pytest.mark.parametrize("mode", ["plain hivemind", "patched", "checked"])
+@pytest.mark.parametrize("mode", [pytest.param("plain hivemind", marks=PLAIN), "patched", "checked"])
 def test_a_download_cut_short_is_dropped_whole_not_failed_with_an_error(request, mode, caplog):
     """Item 29. A donor whose stream ends early, here one that sends its state without the last tensor of its
     optimizer state (SGD's momentum buffer): hivemind looks the optimizer's tensors up by the indices the
@@ -894,8 +894,11 @@ def _newcomer_honest_and_random_nets() -> tuple[list[torch.nn.Module], list[torc
 
 @pytest.mark.parametrize(
     "patched, diloco",
-    [(False, False), (True, False), (True, True)],
-    ids=["plain hivemind", "patched", "diloco"],
+    [
+        pytest.param(False, False, marks=PLAIN, id="plain hivemind"),
+        pytest.param(True, False, id="patched"),
+        pytest.param(True, True, id="diloco"),
+    ],
 )
 def test_colluding_donors_that_claim_the_newest_epoch_and_serve_random_numbers_are_outvoted(
     request, patched, diloco

@@ -634,7 +634,7 @@ def test_a_peer_that_refused_the_only_donor_ahead_trains_on_instead_of_downloadi
     leaves epoch 0. With decide_downloads_after_refusals, A downloads once, reads the swarm again, counts D at
     its own epoch, and trains on: its round with nobody fails and it steps on its own gradient to epoch 1."""
     from swarm.averaging import donors
-    from tests.patches.test_state_averager import _publish_sketch
+    from tests.patches.test_state_averager import _donor_visible, _publish_sketch
 
     monkeypatch.setattr(donors, "WAIT_FOR_SKETCHES", 0.5)
     node_d, node_a = dhts(2)
@@ -656,10 +656,13 @@ def test_a_peer_that_refused_the_only_donor_ahead_trains_on_instead_of_downloadi
             download, downloads = opt.load_state_from_peers, []
             opt.load_state_from_peers = lambda **kwargs: downloads.append(1) or download(**kwargs)
             assert wait_until(lambda: opt.tracker.global_epoch == 50, timeout=20), opt.tracker.global_progress
+            # A's first download must find D: a download that reads no donor refuses nothing (a fresh clone's
+            # suite once saw no refusal at all)
+            assert wait_until(lambda: _donor_visible(node_a, f"{run}_state_averager", donor), timeout=20)
 
             # plain hivemind: 40 steps that stay at epoch 0 (135-156 in 10 s alone, 18 on a starved machine)
             steps = _step_while_at(opt, 0, 30.0, most=None if patched else 40)
-            assert refusals and "ahead of every other peer's" in refusals[0], refusals
+            assert refusals and "ahead of every other peer's" in refusals[0], (refusals, downloads, steps)
             if patched:
                 assert opt.local_epoch == 1, (opt.local_epoch, opt.tracker.global_progress)
                 assert len(downloads) == 1, (len(downloads), steps)
@@ -682,6 +685,8 @@ def test_a_peer_behind_an_epoch_that_no_donor_serves_trains_on_instead_of_downlo
     returns before accumulating anything: A never leaves its epoch. With decide_downloads_after_refusals, A
     downloads once, counts C at its own epoch, and trains on: its round with nobody fails and it steps on its
     own gradient to the next epoch."""
+    from tests.patches.test_state_averager import _donor_visible
+
     node_c, node_d, node_a = dhts(3)
     run = f"pytest-rounds-unserved-claim-{patched}-{own}"
     torch.manual_seed(0)
@@ -708,6 +713,7 @@ def test_a_peer_behind_an_epoch_that_no_donor_serves_trains_on_instead_of_downlo
                 opt.tracker.update_epoch(own)
             claimed = wait_until(lambda: opt.tracker.global_epoch == 10**6, timeout=20)
             assert claimed, opt.tracker.global_progress
+            assert wait_until(lambda: _donor_visible(node_a, f"{run}_state_averager", donor), timeout=20)
 
             steps = _step_while_at(opt, own, 30.0, most=None if patched else 40)  # as above
             assert kept and all(kept), kept  # every download got D's answer: D served, C did not

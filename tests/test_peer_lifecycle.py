@@ -339,6 +339,46 @@ def _zombie(pid: int) -> bool:
     return text[text.rfind(")") + 2] == "Z"
 
 
+def test_a_process_whose_main_thread_ended_first_is_alive_until_its_last_thread_ends(tmp_path):
+    """Killed, a process with many threads often shows its main thread as a zombie while the others still
+    exit, holding its sockets: a group "gone" at that moment still held a p2p client socket file, which the
+    clean-up after a SIGKILL then left (a fresh-clone suite). Here the main thread ends on purpose
+    (pthread_exit) while another lives on with a bound socket: the process counts as running, in its group
+    and as holding the socket file, until it is killed."""
+    from swarm.procs import _bound_unix_paths, running, stale_sockets
+
+    path = f"/tmp/hivemind-p2pclient-pytest-{os.getpid()}.sock"
+    code = (
+        "import ctypes, socket, sys, threading, time\n"
+        f"s = socket.socket(socket.AF_UNIX); s.bind({path!r}); s.listen()\n"
+        "threading.Thread(target=time.sleep, args=(120,)).start()\n"
+        "print('bound', flush=True)\n"
+        "ctypes.CDLL(None).pthread_exit(None)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == b"bound"
+
+        def main_thread_ended() -> bool:
+            stat = Path(f"/proc/{proc.pid}/stat").read_text()
+            return stat[stat.rfind(")") + 2] == "Z"
+
+        assert wait_until(main_thread_ended, timeout=30, interval=0.05)
+        assert running(proc.pid) and group_members(proc.pid) == [proc.pid]
+        assert path in _bound_unix_paths()[0] and path not in stale_sockets()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert not running(proc.pid) and not group_members(proc.pid)
+        # unbound now (its file stale; a test beside this one may remove it already)
+        assert wait_until(lambda: path not in _bound_unix_paths()[0], timeout=10)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 def test_removing_stale_sockets_spares_live_ones_that_a_busy_socket_table_skips():
     """/proc/net/unix is read a page at a time, and while other sockets come and go a read skips live
     entries. 200 sockets named like hivemind's listen while a thread binds and closes 100 others again and

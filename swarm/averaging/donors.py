@@ -160,6 +160,10 @@ class DonorCheck:
         may never publish it. One past the epoch has published it already, or jumped over it by a download
         of its own."""
         deadline = time.monotonic() + WAIT_FOR_SKETCHES
+        # a read of its own first: the watcher's first read begins with the download and may not have ended
+        # (a small state downloads in 50 ms), and with no record read yet every state looked like a lone
+        # swarm's and was kept unchecked (a loaded machine: a donor ahead of everyone was kept)
+        self.read()
         while True:
             votes, newest, voter = self._seen(epoch, donor)
             behind = {p for p, e in newest.items() if e < epoch and p not in votes}

@@ -656,8 +656,7 @@ def test_a_peer_that_refused_the_only_donor_ahead_trains_on_instead_of_downloadi
             download, downloads = opt.load_state_from_peers, []
             opt.load_state_from_peers = lambda **kwargs: downloads.append(1) or download(**kwargs)
             assert wait_until(lambda: opt.tracker.global_epoch == 50, timeout=20), opt.tracker.global_progress
-            # A's first download must find D: a download that reads no donor refuses nothing (a fresh clone's
-            # suite once saw no refusal at all)
+            # A's first download must find D: a download that reads no donor refuses nothing
             assert wait_until(lambda: _donor_visible(node_a, f"{run}_state_averager", donor), timeout=20)
 
             # plain hivemind: 40 steps that stay at epoch 0 (135-156 in 10 s alone, 18 on a starved machine)

@@ -1076,6 +1076,24 @@ def test_a_download_check_keeps_a_lone_swarms_state_and_refuses_an_epoch_nobody_
     assert check.refused == 2 and check.unchecked == 3
 
 
+def test_a_download_check_reads_the_records_before_it_judges(request, monkeypatch):
+    """A download check judges what the swarm's records say when the download ends, not what its watcher had
+    read by then: a small state downloads in 50 ms, before the watcher's first read has ended, and a check
+    with nothing read took every state for a lone swarm's (a donor ahead of everyone, kept unchecked, in a
+    fresh-clone suite)."""
+    from swarm.averaging import donors
+
+    monkeypatch.setattr(donors, "WAIT_FOR_SKETCHES", 0.5)
+    (node,) = request.getfixturevalue("dhts")(1)
+    run = "pytest-donor-first-read"
+    state = [torch.ones(3, 4), torch.arange(5.0)]
+    _publish_sketch(node, run, "other", "other", 0, [t * 0.9 for t in state])
+    check = donors.DonorCheck(node, run, own="newcomer")  # nothing read yet
+    reason = check.judge(50, state_averager.state_sketch(state), donor="donor")
+    assert reason == "its global epoch 50 is ahead of every other peer's (the newest of 1: 0)", reason
+    assert check.refused == 1 and check.unchecked == 0
+
+
 def test_a_download_check_waits_for_the_honest_peers_records_that_come_after_a_colluders(
     request, monkeypatch
 ):

@@ -27,8 +27,9 @@ each other are for the same other state.
   ``WAIT_FOR_SKETCHES`` seconds (a donor that claims a future epoch to be asked first), or one older than
   the records can check. The state averager then undoes the download and asks the next donor.
 
-Before it counts, the check waits up to ``WAIT_FOR_SKETCHES`` seconds for the live peers that have not yet
-reached the epoch (a colluder publishes first).
+Before it counts, the check reads the records once itself (a download can end before its watcher's first
+read), then waits up to ``WAIT_FOR_SKETCHES`` seconds for the live peers that have not yet reached the epoch
+(a colluder publishes first).
 
 Who votes. In an invite-only swarm a vote is an invite's: a record counts only if a valid, unrevoked member
 record (swarm/net/fence.py) ties its PeerID to an invite and was signed by the same DHT key as the record, and

@@ -57,12 +57,13 @@ def _live_processes() -> dict[int, tuple[int, int]]:
         except OSError:
             continue
         fields = text[text.rfind(")") + 2 :].split()  # state, ppid, pgrp, ...
-        if len(fields) > 2 and (fields[0] != "Z" or _threads_left(stat.split("/")[2])):
-            out[int(stat.split("/")[2])] = (int(fields[1]), int(fields[2]))
+        pid = int(stat.split("/")[2])
+        if len(fields) > 2 and (fields[0] != "Z" or _threads_left(pid)):
+            out[pid] = (int(fields[1]), int(fields[2]))
     return out
 
 
-def _threads_left(pid: int | str) -> bool:
+def _threads_left(pid: int) -> bool:
     """Whether a process whose main thread is a zombie still has other threads. Killed (SIGKILL), the main
     thread of a process with many threads often ends first and shows as a zombie while the others are
     still exiting (16 of 30 times, 8 busy threads, on a 2-core machine): until the last has gone, they hold

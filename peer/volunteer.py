@@ -499,6 +499,7 @@ class SwarmReporter(L.Callback):
             ),
             "round_end_seconds": self.strategy.round_end_seconds,
             "local_fallback_steps": self.strategy.local_fallback_steps,
+            "silent_rounds": self.strategy.silent_rounds,
             "rejected_gradient_rounds": self.strategy.screen.rejected_gradient_rounds,
             "rejected_state_rounds": self.strategy.screen.rejected_state_rounds,
             "rejected_downloads": self.strategy.screen.rejected_downloads,

@@ -145,7 +145,8 @@ class OneLineErrors(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and record.exc_info[1] is not None:
             exc = record.exc_info[1]
-            if record.levelno >= logging.ERROR and type(exc).__name__ in self.EXPECTED:
+            expected = any(cls.__name__ in self.EXPECTED for cls in type(exc).__mro__)  # subclasses too
+            if record.levelno >= logging.ERROR and expected:
                 # an averaging round that found no group or lost a peer: the swarm goes on (the strategy logs
                 # what the step used instead), so this is a warning, not an error of this peer
                 record.levelno, record.levelname = logging.WARNING, "WARNING"

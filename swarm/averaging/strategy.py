@@ -195,6 +195,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.resyncs = 0  # state downloads after a fault
         self.astray_resyncs = 0  # of them, after this peer's own state was found astray from the swarm's
         self.local_fallback_steps = 0  # failed gradient rounds: this peer stepped on its own gradient
+        self.silent_rounds = 0  # gradient rounds that no other peer came to: their peers left out (item 30)
         self.close_groups_early, self.report_every = close_groups_early, report_every
         self.skip_agreed_state_rounds = skip_agreed_state_rounds
         self.agreed_state_rounds = 0  # state rounds skipped because the swarm held one state already
@@ -414,6 +415,8 @@ class HivemindStrategy(SingleDeviceStrategy):
                 skip_agreed_state_rounds=self.skip_agreed_state_rounds,
                 on_agreed=self._on_agreed_state,
                 on_local_fallback=self._on_local_fallback,
+                alone_grace=2 * self._optimizer_kwargs["matchmaking_time"],
+                on_silent=self._on_silent_peers,
                 check_download=self.donor_check,
                 on_refused=self._on_refused_download,
                 members=self.member_book.current if self.member_book is not None else None,
@@ -601,6 +604,15 @@ class HivemindStrategy(SingleDeviceStrategy):
             self.local_epoch + 1,
             samples,
             self.local_fallback_steps,
+        )
+
+    def _on_silent_peers(self, count: int) -> None:
+        self.silent_rounds += 1
+        log.info(
+            "No other peer looked for a group toward global epoch %d: %d peer(s) that this peer counted have "
+            "left or fell behind. It trains on without them, and counts them again once they report progress",
+            self.local_epoch + 1,
+            count,
         )
 
     def _on_agreed_state(self, epoch: int, group: int) -> None:

@@ -4,7 +4,8 @@ only.
 =====================  =========================================================================
 module                 hivemind area (and the items of docs/hivemind-patches.md it holds)
 =====================  =========================================================================
-``matchmaking``        averaging/matchmaking.py: groups close when full (1), paced reads (20)
+``matchmaking``        averaging/matchmaking.py: groups close when full (1), paced reads (20), a
+                       search with nobody else in it ends (30)
 ``allreduce``          averaging/allreduce.py: one buffer per dtype and role (3), groupmates that
                        never join (8), strangers named (11), banned groupmates in a formed round (28)
 ``state_averager``     optim/state_averager.py: untorn downloads (4), judged states (7), sane
@@ -13,7 +14,7 @@ module                 hivemind area (and the items of docs/hivemind-patches.md 
 ``grad_averager``      optim/grad_averager.py: a failed round steps on the peer's own gradient (2)
 ``progress``           optim/progress_tracker.py: throttled records (6), reads when speeds are
                        unknown (14, 19), the swarm expected at a new epoch (15), records that
-                       speak for their signer's member (26)
+                       speak for their signer's member (26), silent peers left out (30)
 ``optimizer``          optim/optimizer.py: rounds never cancelled or skipped (5, 10), judged
                        gradients (7), strangers met (11), downloads numbered (13), agreed state
                        rounds skipped (16), AdamW counters by epoch (17)

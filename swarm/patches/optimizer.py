@@ -28,6 +28,10 @@ methods of one running optimizer, and :func:`wire` applies them in the order the
 - items 24 and 25, :func:`decide_downloads_after_refusals`: a donor whose state this peer refused, or a
   progress record that claims an epoch no donor served, still set the swarm's epoch in the tracker's reads,
   and the peer downloaded at every step.
+- item 30, :func:`leave_out_peers_that_never_came`: a gradient round that nobody else came to
+  (swarm/patches/matchmaking.py ``give_up_alone``) leaves the peers it counted out of the tracker's reads
+  until they report again; before, a peer whose groupmates left waited a whole ``averaging_timeout`` at every
+  epoch until their records expired.
 
 hivemind 1.1.12 also never takes ``client_mode`` from the DHT (optimizer.py:205 tests ``is None`` the wrong
 way round): pass it explicitly, as swarm/averaging/strategy.py does.
@@ -45,7 +49,7 @@ from typing import Any
 
 import torch
 
-from swarm.patches import progress, robust
+from swarm.patches import matchmaking, progress, robust
 from swarm.patches.grad_averager import KeepsLocalGradients
 from swarm.patches.state_averager import REFUSE_FOR, lock_updates
 
@@ -92,6 +96,12 @@ class Wiring:
     """A swarm.averaging.donors.DonorCheck: every download is checked against the swarm's state (item 23)."""
     on_refused: Callable[[str, str], None] | None = None
     """Told (donor, reason) of every download that the screen or the check refused (item 23)."""
+    alone_grace: float = 0.0
+    """> 0: a gradient or state round in which no other peer was read as looking for a group, and no follower
+    came, for this many seconds fails then, not at its deadline; the peers counted in it are left out of the
+    tracker's reads until they store a newer record (item 30). Not with DiLoCo."""
+    on_silent: Callable[[int], None] | None = None
+    """Told how many peers were left out after a gradient round that nobody else came to (item 30)."""
     members: Callable[[], Any] | None = None
     """Invite-only: the run's members by signing key (swarm.net.fence.MemberBook ``current``); the progress
     records count only under the PeerID that their signer's member record names (item 26)."""
@@ -104,6 +114,7 @@ class Wired:
 
     instrument: Any = None
     last_read: progress.LastRead = field(default_factory=progress.LastRead)
+    silent: progress.Silent | None = None
     hooks: list[Any] = field(default_factory=list)
 
     def remove(self) -> None:
@@ -129,6 +140,11 @@ def wire(opt: Any, wiring: Wiring) -> Wired:
     suspects = robust.suspects()
     if suspects is not None:  # item 21: a banned peer is not counted in this peer's swarm
         progress.leave_out_banned(opt.tracker, lambda peer: suspects.banned_for(peer) > 0)
+    if wiring.alone_grace > 0 and not wiring.diloco:  # item 30
+        wired.silent = progress.leave_out_silent(opt.tracker)
+        for averager in (opt.grad_averager, opt.state_averager):
+            matchmaking.give_up_alone(averager, wiring.alone_grace)
+        leave_out_peers_that_never_came(opt, wired.silent, wiring.on_silent)
     wired.last_read = progress.read_soon_while_speeds_unknown(opt.tracker)  # items 14 and 19
     if not wiring.diloco:  # a DiLoCo peer takes its H local steps; an estimate would cut them short
         progress.expect_the_swarm(opt.tracker, wired.last_read)  # item 15
@@ -157,6 +173,25 @@ def wire(opt: Any, wiring: Wiring) -> Wired:
     if isinstance(opt.grad_averager, KeepsLocalGradients):
         opt.grad_averager.on_local_fallback = wiring.on_local_fallback  # item 2
     return wired
+
+
+def leave_out_peers_that_never_came(opt: Any, silent: progress.Silent, on_silent: Any = None) -> None:
+    """Item 30: after a gradient round that failed because no other peer looked for a group
+    (swarm/patches/matchmaking.py ``NobodyElseLooking``), ``silent`` leaves the peers counted in it out of the
+    tracker's reads, so that the next epoch does not look for them again."""
+    average = opt._average_gradients_and_load_into_optimizer
+
+    def average_noting_silent(control: Any) -> Any:
+        try:
+            return average(control)
+        finally:
+            if control is not None and control.done() and not control.cancelled():
+                if isinstance(control.exception(), matchmaking.NobodyElseLooking):
+                    count = silent.note()
+                    if on_silent is not None:
+                        on_silent(count)
+
+    opt._average_gradients_and_load_into_optimizer = average_noting_silent
 
 
 def never_cancel_rounds(opt: Any) -> None:

@@ -33,6 +33,8 @@ read forward for a peer that waits (DiLoCo after its inner steps; ``--min-peers`
 :func:`keep_only` with :func:`vouched_by` (item 26) keeps, in an invite-only swarm, only the records whose
 claimed PeerID is the one their signer's member record names. :func:`count_alone_exactly` (item 27) has a peer
 alone in its reads step when its own samples reach the target, not when its extrapolated record does.
+:func:`leave_out_silent` (item 30) leaves out the records of peers that did not come to a round until they
+store a newer one.
 
 These wrap methods of one running ``ProgressTracker``; nothing here is process-wide. The tracker keeps what
 item 15 needs in a :class:`LastRead` that the wrappers share.
@@ -205,6 +207,69 @@ def leave_out_banned(tracker: Any, banned: Any) -> None:
         return parse(metadata)
 
     tracker._parse_swarm_progress_data = parsed
+
+
+class Silent:
+    """Item 30, on one running ``ProgressTracker``: the records of peers that were not there when this peer
+    looked for a group are left out of its reads until they store a newer record. Made by
+    :func:`leave_out_silent`; :meth:`note` marks the other peers of the last read, as of their records then.
+
+    A peer that leaves without withdrawing its record (its p2p daemon ended with it, or it was killed) is
+    counted in ``num_peers`` until the record expires (``metadata_expiration``, 60 s): this peer then looks
+    for a group that cannot form at every epoch. A live peer stores a newer record at its next step, so one
+    marked wrongly (far behind, or slow) counts again at once."""
+
+    def __init__(self, tracker: Any) -> None:
+        self._tracker, self._own = tracker, tracker._local_public_key
+        self._lock = threading.Lock()
+        self._seen: dict[Any, float] = {}  # the other peers' record times in the last read
+        self._silent: dict[Any, float] = {}  # the record times left out, by subkey
+
+    def note(self) -> int:
+        """Leave out the other peers' records as they were at the last read; returns how many. The tracker's
+        count drops now, and a read follows at once."""
+        with self._lock:
+            self._silent.update(self._seen)
+            count, self._seen = len(self._seen), {}
+        seen = self._tracker.global_progress
+        seen.num_peers = max(1, seen.num_peers - count)
+        read_within(self._tracker, 0.0)
+        return count
+
+    @property
+    def count(self) -> int:
+        with self._lock:
+            return len(self._silent)
+
+    def kept(self, metadata: Any) -> Any:
+        if not isinstance(metadata, dict):
+            return metadata
+        kept, seen = {}, {}
+        with self._lock:
+            for key, entry in metadata.items():
+                value = getattr(entry, "value", None)
+                stamp = value.get("time") if isinstance(value, dict) else None
+                if key != self._own and isinstance(stamp, int | float):
+                    if key in self._silent:
+                        if stamp <= self._silent[key]:
+                            continue
+                        del self._silent[key]  # a newer record: the peer is back
+                    seen[key] = float(stamp)
+                kept[key] = entry
+            self._seen = seen
+        return kept
+
+
+def leave_out_silent(tracker: Any) -> Silent:
+    """Item 30: wrap ``tracker``'s reads with a :class:`Silent` and return it. Call before the other wrappers
+    of ``_parse_swarm_progress_data``, so that they see what it leaves."""
+    silent, parse = Silent(tracker), tracker._parse_swarm_progress_data
+
+    def parsed(metadata: Any) -> Any:
+        return parse(silent.kept(metadata))
+
+    tracker._parse_swarm_progress_data = parsed
+    return silent
 
 
 @dataclass

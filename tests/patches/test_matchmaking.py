@@ -1,6 +1,7 @@
 """What swarm/patches/matchmaking.py changes: groups close once every live peer is in (item 1), and a waiting
-peer reads the declared averagers at most every LEADER_READS_EVERY (item 20). Each scenario runs on plain
-hivemind, where it shows the failure, and with the patch."""
+peer reads the declared averagers at most every LEADER_READS_EVERY (item 20), and a peer alone stops looking
+after a grace (item 30). Each scenario runs on plain hivemind, where it shows the failure, and with the
+patch."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import time
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.partition import AllreduceException
 
 from swarm.patches import matchmaking
+from swarm.waiting import wait_until
 from tests.patches.common import MATCHMAKING, PLAIN_OR_PATCHED, hivemind_as
 
 PLAIN_MATCHMAKING = 3.0  # plain hivemind waits all of it: short, so that the plain variant stays cheap
@@ -130,3 +133,76 @@ def test_a_peer_waiting_for_a_groupmate_reads_the_declared_averagers_at_most_eve
         pauses = [began - ended for ended, began in zip(returned[:-1], reads[1:], strict=True)]
         assert min(gaps) < matchmaking.LEADER_READS_EVERY * 0.95, gaps
         assert sorted(pauses)[len(pauses) // 2] < 0.005, pauses
+
+
+GRACE = 2.0  # item 30: seconds a peer looks for a group with nobody else declared before it gives up
+ALONE_DEADLINE = 8.0  # the step's timeout: plain hivemind looks until then
+
+
+@PLAIN_OR_PATCHED
+def test_a_peer_whose_groupmates_left_gives_up_its_round_after_the_grace(nodes, patched):
+    """Item 30. A peer whose groupmates left is still counted by its tracker, so it looks for a group of
+    two while nobody else is there. hivemind's leader alone declares itself again at every expiration and
+    looks on until the step's deadline (matchmaking.py:161-170, 126-128): on plain hivemind the step fails
+    there with "could not find a group". ``give_up_alone`` ends it once nobody else was read as declared
+    for GRACE seconds, with NobodyElseLooking, which the optimizer's wiring takes as the sign that the
+    peers it counted are gone."""
+    with hivemind_as(patched):
+        (alone,) = [
+            DecentralizedAverager(
+                [torch.zeros(3)],
+                dht=node,
+                prefix=f"pytest-alone-{patched}",
+                min_matchmaking_time=1.0,
+                request_timeout=0.5,
+                start=True,
+            )
+            for node in nodes(1)
+        ]
+    try:
+        if patched:
+            matchmaking.set_target_group_size(alone, 2, {})
+            matchmaking.give_up_alone(alone, GRACE)
+        control = alone.step(wait=False, timeout=ALONE_DEADLINE)
+        assert wait_until(control.done, timeout=ALONE_DEADLINE + 20, interval=0.05)
+        error = control.exception()
+        if patched:
+            assert isinstance(error, matchmaking.NobodyElseLooking), repr(error)
+        else:
+            assert isinstance(error, AllreduceException), repr(error)
+            assert "could not find a group" in str(error), repr(error)
+    finally:
+        alone.shutdown()
+
+
+def test_a_groupmate_that_comes_within_the_grace_is_averaged_with(nodes):
+    """Item 30, the other side: a groupmate that begins looking LATE seconds after this peer (one still
+    computing its last step), within the grace, is read as declared and joins: the round averages both."""
+    late = 1.5
+    with hivemind_as(True):
+        pair = [
+            DecentralizedAverager(
+                [torch.full((3,), float(i))],
+                dht=node,
+                prefix="pytest-late-groupmate",
+                min_matchmaking_time=1.0,
+                request_timeout=0.5,
+                start=True,
+            )
+            for i, node in enumerate(nodes(2))
+        ]
+    try:
+        for averager in pair:
+            matchmaking.set_target_group_size(averager, 2, {})
+            matchmaking.give_up_alone(averager, late + GRACE)
+        first = pair[0].step(wait=False, timeout=30.0)
+        time.sleep(late)  # the groupmate's last step: no thread or task is ordered by it
+        second = pair[1].step(wait=False, timeout=30.0)
+        results = [c.result(timeout=MATCHMAKING) for c in (first, second)]
+        assert all(len(r) == 2 for r in results), results
+        for averager in pair:
+            with averager.get_tensors() as (got,):
+                assert torch.equal(got, torch.full((3,), 0.5))
+    finally:
+        for averager in pair:
+            averager.shutdown()

@@ -433,3 +433,35 @@ def test_a_peer_alone_steps_when_its_own_samples_reach_the_target(dhts, patched)
         b.should_report_progress.set()
         assert wait_until(lambda: _read_now(a).num_peers == 2, timeout=20, interval=0.25)
         assert a.global_progress.eta_next_epoch < float("inf")  # hivemind's estimate, patched or not
+
+
+@PLAIN_OR_PATCHED
+def test_a_peer_that_never_came_to_a_round_is_left_out_until_it_reports_again(dhts, patched):
+    """leave_out_silent (item 30). B reported once, then went silent (it left without withdrawing its
+    record: its p2p daemon ended with it). A's reads count B until the record expires, 60 s on plain
+    hivemind, so A looks for a group of two at every epoch. Once a round that nobody else came to is noted
+    (what the optimizer's wiring does on NobodyElseLooking), A's reads leave B's record out; a newer record
+    from B counts again, as a live peer's next step stores one."""
+    with _two_trackers(dhts, f"pytest-silent-{patched}", 10**6, patched) as (a, b):
+        silent = progress.leave_out_silent(a) if patched else None
+        a.report_local_progress(0, 5)
+        b.report_local_progress(0, 7)
+
+        def read() -> tuple[int, int]:
+            a.global_progress.next_fetch_time = get_dht_time()
+            a.global_state_updated.set()
+            return a.global_progress.num_peers, a.global_progress.samples_accumulated
+
+        assert wait_until(lambda: read() == (2, 12), timeout=20, interval=0.25), read()
+        if not patched:  # B's record keeps counting: nothing in hivemind leaves it out before it expires
+            time.sleep(1.0)
+            assert read() == (2, 12)
+            return
+        assert silent.note() == 1
+        assert a.global_progress.num_peers == 1  # at once, before the next read
+        assert wait_until(lambda: read() == (1, 5), timeout=20, interval=0.25), read()
+        time.sleep(1.0)
+        assert read() == (1, 5) and silent.count == 1  # B's old record stays left out
+        b.report_local_progress(0, 9)  # B is back: a newer record
+        assert wait_until(lambda: read() == (2, 14), timeout=20, interval=0.25), read()
+        assert silent.count == 0

@@ -50,6 +50,7 @@ from swarm.patches import grad_averager, matchmaking, progress, robust, traffic
 from swarm.patches.optimizer import Wired, Wiring, wire
 from swarm.patches.state_averager import REFUSE_FOR, state_sketch
 from swarm.procs import p2p_daemon_alive
+from swarm.waiting import wait_until
 
 if TYPE_CHECKING:
     import hivemind
@@ -63,6 +64,7 @@ REJECTED_IN_ROW = 3  # rejected averaging rounds (of one kind) in a row that ear
 REJECTED_LOG_EVERY = 50  # ... after which only every 50th is logged
 NONFINITE_ROLLBACK = 10  # local steps in a row with non-finite gradients before a rollback (guard's state)
 NONFINITE_GIVE_UP = 30  # ... before the peer stops: no state it has or can download trains
+P2PD_EXITS_WITHIN = 0.5  # seconds a p2p daemon signalled with its peer takes to exit, at most
 
 
 class GlobalEpochScheduler:
@@ -821,6 +823,13 @@ class HivemindStrategy(SingleDeviceStrategy):
         if self._wired is not None:
             self._wired.remove()
         network_alive = p2p_daemon_alive()
+        if network_alive and self.leaving:
+            # a signal to the whole process group (Ctrl-C in a terminal, the notebook's stop button) reached
+            # p2pd too, and it takes a moment to exit: a graceful shutdown begun meanwhile loses the daemon
+            # half-way, and each averager printed a traceback (FileNotFoundError for its control socket)
+            network_alive = not wait_until(
+                lambda: not p2p_daemon_alive(), timeout=P2PD_EXITS_WITHIN, interval=0.02
+            )
         try:
             opt = self.hivemind_opt
             if opt is not None:

@@ -209,6 +209,9 @@ def leave_out_banned(tracker: Any, banned: Any) -> None:
     tracker._parse_swarm_progress_data = parsed
 
 
+SILENT_SKEW = 1.0  # item 30: seconds by which a live peer's clock may run behind this one's
+
+
 class Silent:
     """Item 30, on one running ``ProgressTracker``: the records of peers that were not there when this peer
     looked for a group are left out of its reads until they store a newer record. Made by
@@ -226,10 +229,19 @@ class Silent:
         self._silent: dict[Any, float] = {}  # the record times left out, by subkey
 
     def note(self) -> int:
-        """Leave out the other peers' records as they were at the last read; returns how many. The tracker's
-        count drops now, and a read follows at once."""
+        """Leave out the records of the other peers of the last read, those of their records stored up to
+        ``SILENT_SKEW`` seconds before now included; returns how many. The tracker's count drops now, and a
+        read follows at once.
+
+        Not only the records read: one that a peer stored just before it left can reach this peer's DHT
+        node after the last read, and would count it again for another round (its time is then older than
+        the round's grace, which no one came to). A live peer's next record is newer, unless its clock runs
+        more than ``SILENT_SKEW`` behind this one's (then it counts again that much later)."""
+        from hivemind.utils import get_dht_time
+
+        upto = get_dht_time() - SILENT_SKEW
         with self._lock:
-            self._silent.update(self._seen)
+            self._silent.update({key: max(stamp, upto) for key, stamp in self._seen.items()})
             count, self._seen = len(self._seen), {}
         seen = self._tracker.global_progress
         seen.num_peers = max(1, seen.num_peers - count)

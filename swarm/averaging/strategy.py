@@ -197,7 +197,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.resyncs = 0  # state downloads after a fault
         self.astray_resyncs = 0  # of them, after this peer's own state was found astray from the swarm's
         self.local_fallback_steps = 0  # failed gradient rounds: this peer stepped on its own gradient
-        self.silent_rounds = 0  # gradient rounds that no other peer came to: their peers left out (item 30)
+        self.silent_rounds = 0  # gradient rounds that counted peers did not come to: those left out (item 30)
         self.close_groups_early, self.report_every = close_groups_early, report_every
         self.skip_agreed_state_rounds = skip_agreed_state_rounds
         self.agreed_state_rounds = 0  # state rounds skipped because the swarm held one state already
@@ -608,13 +608,14 @@ class HivemindStrategy(SingleDeviceStrategy):
             self.local_fallback_steps,
         )
 
-    def _on_silent_peers(self, count: int) -> None:
+    def _on_silent_peers(self, count: int, came: int) -> None:
         self.silent_rounds += 1
         log.info(
-            "No other peer looked for a group toward global epoch %d: %d peer(s) that this peer counted have "
-            "left or fell behind. It trains on without them, and counts them again once they report progress",
-            self.local_epoch + 1,
+            "%d counted peer(s) did not come to the gradient round toward global epoch %d (%s): they left or "
+            "fell behind, and count again once they report progress",
             count,
+            self.local_epoch + 1,
+            f"a group of {came}" if came else "no group formed",
         )
 
     def _on_agreed_state(self, epoch: int, group: int) -> None:

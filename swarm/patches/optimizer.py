@@ -29,9 +29,10 @@ methods of one running optimizer, and :func:`wire` applies them in the order the
   progress record that claims an epoch no donor served, still set the swarm's epoch in the tracker's reads,
   and the peer downloaded at every step.
 - item 30, :func:`leave_out_peers_that_never_came`: a gradient round that nobody else came to
-  (swarm/patches/matchmaking.py ``give_up_alone``) leaves the peers it counted out of the tracker's reads
-  until they report again; before, a peer whose groupmates left waited a whole ``averaging_timeout`` at every
-  epoch until their records expired.
+  (swarm/patches/matchmaking.py ``give_up_alone``), or that some counted peers did not come to, leaves those
+  peers out of the tracker's reads until they report again; before, a peer whose groupmates left waited a
+  whole ``averaging_timeout`` (alone) or ``matchmaking_time`` (with others) at every epoch until their
+  records expired.
 
 hivemind 1.1.12 also never takes ``client_mode`` from the DHT (optimizer.py:205 tests ``is None`` the wrong
 way round): pass it explicitly, as swarm/averaging/strategy.py does.
@@ -100,8 +101,9 @@ class Wiring:
     """> 0: a gradient or state round in which no other peer was read as looking for a group, and no follower
     came, for this many seconds fails then, not at its deadline; the peers counted in it are left out of the
     tracker's reads until they store a newer record (item 30). Not with DiLoCo."""
-    on_silent: Callable[[int], None] | None = None
-    """Told how many peers were left out after a gradient round that nobody else came to (item 30)."""
+    on_silent: Callable[[int, int], None] | None = None
+    """Told (peers left out, the round's group size, 0 if it failed) after a gradient round that some
+    counted peers did not come to (item 30)."""
     members: Callable[[], Any] | None = None
     """Invite-only: the run's members by signing key (swarm.net.fence.MemberBook ``current``); the progress
     records count only under the PeerID that their signer's member record names (item 26)."""
@@ -177,19 +179,27 @@ def wire(opt: Any, wiring: Wiring) -> Wired:
 
 def leave_out_peers_that_never_came(opt: Any, silent: progress.Silent, on_silent: Any = None) -> None:
     """Item 30: after a gradient round that failed because no other peer looked for a group
-    (swarm/patches/matchmaking.py ``NobodyElseLooking``), ``silent`` leaves the peers counted in it out of the
-    tracker's reads, so that the next epoch does not look for them again."""
+    (swarm/patches/matchmaking.py ``NobodyElseLooking``), or that averaged without some of the peers the
+    tracker counted, ``silent`` leaves the peers that did not come out of the tracker's reads, so that the
+    next epoch does not look or wait for them again. ``on_silent(count, came)`` is told how many were left
+    out and how many peers the round had (0: it failed)."""
     average = opt._average_gradients_and_load_into_optimizer
 
     def average_noting_silent(control: Any) -> Any:
+        counted = opt.tracker.global_progress.num_peers
         try:
             return average(control)
         finally:
             if control is not None and control.done() and not control.cancelled():
+                came = _group_of(control)
                 if isinstance(control.exception(), matchmaking.NobodyElseLooking):
                     count = silent.note()
-                    if on_silent is not None:
-                        on_silent(count)
+                elif 0 < len(came) < counted:
+                    count = silent.note({peer.to_base58() for peer in came})
+                else:
+                    count = 0
+                if count and on_silent is not None:
+                    on_silent(count, len(came))
 
     opt._average_gradients_and_load_into_optimizer = average_noting_silent
 

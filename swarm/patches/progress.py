@@ -213,40 +213,44 @@ SILENT_SKEW = 1.0  # item 30: seconds by which a live peer's clock may run behin
 
 
 class Silent:
-    """Item 30, on one running ``ProgressTracker``: the records of peers that were not there when this peer
-    looked for a group are left out of its reads until they store a newer record. Made by
-    :func:`leave_out_silent`; :meth:`note` marks the other peers of the last read, as of their records then.
+    """Item 30, on one running ``ProgressTracker``: the records of peers that did not come to a round are left
+    out of its reads until they store a newer record. Made by :func:`leave_out_silent`; :meth:`note` marks
+    the other peers of the last read but those that came.
 
     A peer that leaves without withdrawing its record (its p2p daemon ended with it, or it was killed) is
     counted in ``num_peers`` until the record expires (``metadata_expiration``, 60 s): this peer then looks
-    for a group that cannot form at every epoch. A live peer stores a newer record at its next step, so one
-    marked wrongly (far behind, or slow) counts again at once."""
+    for a group that cannot form, or waits for the missing peer until the group's expiration, at every epoch.
+    A live peer stores a newer record at its next step, so one marked wrongly (far behind, downloading, or
+    late for one round) counts again at once."""
 
     def __init__(self, tracker: Any) -> None:
         self._tracker, self._own = tracker, tracker._local_public_key
         self._lock = threading.Lock()
-        self._seen: dict[Any, float] = {}  # the other peers' record times in the last read
+        self._seen: dict[Any, tuple[float, str | None]] = {}  # the last read's other records: time, PeerID
         self._silent: dict[Any, float] = {}  # the record times left out, by subkey
 
-    def note(self) -> int:
-        """Leave out the records of the other peers of the last read, those of their records stored up to
-        ``SILENT_SKEW`` seconds before now included; returns how many. The tracker's count drops now, and a
-        read follows at once.
+    def note(self, came: Any = ()) -> int:
+        """Leave out the records of the other peers of the last read, but of those whose PeerID (base58) is
+        in ``came``, including their records stored up to ``SILENT_SKEW`` seconds before now; returns how
+        many peers. The tracker's count drops now, and a read follows at once.
 
         Not only the records read: one that a peer stored just before it left can reach this peer's DHT
-        node after the last read, and would count it again for another round (its time is then older than
-        the round's grace, which no one came to). A live peer's next record is newer, unless its clock runs
-        more than ``SILENT_SKEW`` behind this one's (then it counts again that much later)."""
+        node after the last read, and would count it again for another round. A live peer's next record is
+        newer, unless its clock runs more than ``SILENT_SKEW`` behind this one's (then it counts again that
+        much later)."""
         from hivemind.utils import get_dht_time
 
         upto = get_dht_time() - SILENT_SKEW
         with self._lock:
-            self._silent.update({key: max(stamp, upto) for key, stamp in self._seen.items()})
-            count, self._seen = len(self._seen), {}
-        seen = self._tracker.global_progress
-        seen.num_peers = max(1, seen.num_peers - count)
-        read_within(self._tracker, 0.0)
-        return count
+            gone = {key: max(stamp, upto) for key, (stamp, peer) in self._seen.items() if peer not in came}
+            self._silent.update(gone)
+            for key in gone:
+                del self._seen[key]
+        if gone:
+            seen = self._tracker.global_progress
+            seen.num_peers = max(1, seen.num_peers - len(gone))
+            read_within(self._tracker, 0.0)
+        return len(gone)
 
     @property
     def count(self) -> int:
@@ -266,7 +270,7 @@ class Silent:
                         if stamp <= self._silent[key]:
                             continue
                         del self._silent[key]  # a newer record: the peer is back
-                    seen[key] = float(stamp)
+                    seen[key] = (float(stamp), _record_peer(entry))
                 kept[key] = entry
             self._seen = seen
         return kept

@@ -439,9 +439,10 @@ def test_a_peer_alone_steps_when_its_own_samples_reach_the_target(dhts, patched)
 def test_a_peer_that_never_came_to_a_round_is_left_out_until_it_reports_again(dhts, patched):
     """leave_out_silent (item 30). B reported once, then went silent (it left without withdrawing its
     record: its p2p daemon ended with it). A's reads count B until the record expires, 60 s on plain
-    hivemind, so A looks for a group of two at every epoch. Once a round that nobody else came to is noted
-    (what the optimizer's wiring does on NobodyElseLooking), A's reads leave B's record out; a newer record
-    from B counts again, as a live peer's next step stores one."""
+    hivemind, so A looks for a group of two at every epoch. A round that B came to leaves it counted; once a
+    round that B did not come to is noted (what the optimizer's wiring does on NobodyElseLooking, or after a
+    round without it), A's reads leave B's record out; a newer record from B counts again, as a live peer's
+    next step stores one."""
     with _two_trackers(dhts, f"pytest-silent-{patched}", 10**6, patched) as (a, b):
         silent = progress.leave_out_silent(a) if patched else None
         a.report_local_progress(0, 5)
@@ -457,6 +458,8 @@ def test_a_peer_that_never_came_to_a_round_is_left_out_until_it_reports_again(dh
             time.sleep(1.0)
             assert read() == (2, 12)
             return
+        assert silent.note(came={b.dht.peer_id.to_base58()}) == 0  # B came to the round: still counted
+        assert wait_until(lambda: read() == (2, 12), timeout=20, interval=0.25), read()
         assert silent.note() == 1
         assert a.global_progress.num_peers == 1  # at once, before the next read
         assert wait_until(lambda: read() == (1, 5), timeout=20, interval=0.25), read()

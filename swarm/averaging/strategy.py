@@ -610,6 +610,7 @@ class HivemindStrategy(SingleDeviceStrategy):
 
     def _on_silent_peers(self, count: int, came: int) -> None:
         self.silent_rounds += 1
+        self._match_group_size()  # before the epoch's state round looks for its group
         log.info(
             "%d counted peer(s) did not come to the gradient round toward global epoch %d (%s): they left or "
             "fell behind, and count again once they report progress",

@@ -129,7 +129,8 @@ def _quiet_resource_sharer(default):
 
 
 class OneLineErrors(logging.Filter):
-    """Fold a library's exception tracebacks into one line (run with --verbose to see them in full).
+    """Fold a library's exception tracebacks into one line (run with --verbose to see them in full), and leave
+    out the p2p daemon's error at its own exit.
 
     hivemind logs expected network events (a peer left mid-round) with full tracebacks; to a user that
     reads like a crash of their own peer."""
@@ -142,7 +143,13 @@ class OneLineErrors(logging.Filter):
         "GeneratorExit",
     )
 
+    # the p2p daemon's listener closed as the daemon exits (Ctrl-C reaches it with its peer): p2pd logs it as
+    # an error ("error accepting connection: accept unix ...: use of closed network connection")
+    CLOSED_LISTENER = "use of closed network connection"
+
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and self.CLOSED_LISTENER in record.getMessage():
+            return False
         if record.exc_info and record.exc_info[1] is not None:
             exc = record.exc_info[1]
             expected = any(cls.__name__ in self.EXPECTED for cls in type(exc).__mro__)  # subclasses too

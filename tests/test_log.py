@@ -93,3 +93,20 @@ def test_a_helper_forked_while_another_thread_logs_does_not_hang_on_its_first_li
     # buffer's, which the chatting thread held at the fork
     assert _hung_forks("plain", 3) >= 1, "the plain run should show the hang that swarm prevents"
     assert _hung_forks("swarm", 20) == 0
+
+
+def test_the_p2p_daemons_error_at_its_own_exit_is_left_out_and_other_errors_are_not():
+    """p2pd logs its listener's closing as an ERROR when Ctrl-C reaches it with its peer (hivemind forwards
+    it, p2p/p2p_daemon.py ``_log_p2pd_message``): to a user that reads like a crash, so the peer's console
+    leaves it out. Any other error stays."""
+    import logging
+
+    from swarm.log import OneLineErrors
+
+    def record(message: str, level: int = logging.ERROR) -> logging.LogRecord:
+        return logging.LogRecord("hivemind.p2p.p2p_daemon", level, "daemon.go", 198, message, (), None)
+
+    closed = "error accepting connection: accept unix /tmp/p2pd.sock: use of closed network connection"
+    assert OneLineErrors().filter(record(closed)) is False
+    assert OneLineErrors().filter(record("failed to dial: connection refused")) is True
+    assert OneLineErrors().filter(record(closed, logging.DEBUG)) is True  # only the error level is left out

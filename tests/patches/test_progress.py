@@ -27,6 +27,14 @@ def _read_now(tracker: ProgressTracker) -> Any:
     return tracker.global_progress
 
 
+def _peers_and_samples(tracker: ProgressTracker) -> tuple[int, int]:
+    """Have ``tracker`` read the swarm's progress soon; the peers and samples of what it holds now (a test
+    waits until they are what it expects)."""
+    tracker.global_progress.next_fetch_time = get_dht_time()
+    tracker.global_state_updated.set()
+    return tracker.global_progress.num_peers, tracker.global_progress.samples_accumulated
+
+
 def _latest(tracker: ProgressTracker, node: Any) -> list[tuple[int, int]]:
     """The records of ``tracker``'s run in the DHT, read through ``node`` (a node with the tracker's
     validators): (epoch, samples accumulated) of each."""
@@ -325,9 +333,7 @@ def test_a_banned_peer_is_left_out_of_the_swarms_progress(dhts, patched):
         b.report_local_progress(0, 7)
 
         def read() -> tuple[int, int]:
-            a.global_progress.next_fetch_time = get_dht_time()
-            a.global_state_updated.set()
-            return a.global_progress.num_peers, a.global_progress.samples_accumulated
+            return _peers_and_samples(a)
 
         expected = (1, 5) if patched else (2, 12)
         assert wait_until(lambda: read() == expected, timeout=20, interval=0.25), read()
@@ -449,9 +455,7 @@ def test_a_peer_that_never_came_to_a_round_is_left_out_until_it_reports_again(dh
         b.report_local_progress(0, 7)
 
         def read() -> tuple[int, int]:
-            a.global_progress.next_fetch_time = get_dht_time()
-            a.global_state_updated.set()
-            return a.global_progress.num_peers, a.global_progress.samples_accumulated
+            return _peers_and_samples(a)
 
         assert wait_until(lambda: read() == (2, 12), timeout=20, interval=0.25), read()
         if not patched:  # B's record keeps counting: nothing in hivemind leaves it out before it expires

@@ -390,8 +390,10 @@ class GracefulStop:
 
     def _begin(self, reason: str) -> None:
         self.reason = reason
-        self.event.set()
+        # said before the event wakes the main thread: a role with little to stop (a bootstrap peer) had left,
+        # and os._exit-ed, before this thread wrote the line
         log.info("%s: leaving the swarm after the current step", reason)
+        self.event.set()
         # pthread_kill, not raise_signal: only a signal aimed at the main thread interrupts its blocking wait.
         # SIGTERM, not SIGINT: libraries (hivemind's averagers) may set SIGINT to be ignored.
         self._deadline = time.time() + SHUTDOWN_GRACE_S

@@ -191,7 +191,9 @@ def leave_out_peers_that_never_came(opt: Any, silent: progress.Silent, on_silent
             return average(control)
         finally:
             if control is not None and control.done() and not control.cancelled():
-                came = _group_of(control)
+                # strangers (item 11) came: taken into the group, then dropped from its all-reduce, they
+                # wait for this peer in their next gradient round; left out, they were not met there
+                came = _group_of(control) + list(_strangers_of(control))
                 if isinstance(control.exception(), matchmaking.NobodyElseLooking):
                     count = silent.note()
                 elif 0 < len(came) < counted:
@@ -544,6 +546,12 @@ def _group_of(control: Any) -> list[Any]:
     except Exception:
         pass
     return []
+
+
+def _strangers_of(control: Any) -> frozenset:
+    """The strangers (item 11) that a finished round's result names; empty if none or unknown."""
+    group = _group_of(control)
+    return getattr(control.result(), "strangers", frozenset()) if group else frozenset()
 
 
 def _judge_far(group: list[Any], own: Any, screen: Any, rejected: bool, seen: dict[str, int]) -> None:

@@ -594,13 +594,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         opt = self.hivemind_opt
         if opt is None or not self.close_groups_early:
             return
-        size = opt.tracker.global_progress.num_peers
-        silent = self._wired.silent if self._wired is not None else None
-        if silent is not None and silent.in_step is not None:
-            # a peer two or more epochs behind (a newcomer still downloading) downloads the state instead of
-            # coming to the round (item 30)
-            size = min(size, silent.in_step)
-        size = max(2, size)
+        size = max(2, opt.tracker.global_progress.num_peers)
         for averager in self._averagers():
             matchmaking.set_target_group_size(averager, size, self._group_sizes)
 

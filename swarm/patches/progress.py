@@ -140,16 +140,6 @@ def _record_peer(entry: Any) -> str | None:
         return None
 
 
-def _record_epoch(entry: Any) -> tuple[int | None, bool]:
-    """The epoch of a progress record (None for a withdrawn or malformed one), and whether its peer is in
-    client mode."""
-    value = getattr(entry, "value", None)
-    if not isinstance(value, dict):
-        return None, False
-    epoch = value.get("epoch")
-    return (epoch if isinstance(epoch, int) else None), bool(value.get("client_mode"))
-
-
 def vouched_by(members: Any, own_key: bytes) -> Any:
     """For an invite-only swarm: a predicate ``keep(subkey, entry)`` on progress records that keeps a record
     only if its PeerID is the one that the member record signed by the same DHT key names (swarm/net/fence.py;
@@ -238,11 +228,6 @@ class Silent:
         self._lock = threading.Lock()
         self._seen: dict[Any, tuple[float, str | None]] = {}  # the last read's other records: time, PeerID
         self._silent: dict[Any, float] = {}  # the record times left out, by subkey
-        # the last read's peers at most one epoch behind its newest, this one included (None before a read):
-        # those that can come to the next round. hivemind has a peer further behind download the state
-        # instead (optimizer.py, _should_load_state_from_peers); one a single epoch behind is usually about to
-        # step, as peers reach an epoch at slightly different moments after a round
-        self.in_step: int | None = None
 
     def note(self, came: Any = ()) -> int:
         """Leave out the records of the other peers of the last read, but of those whose PeerID (base58) is
@@ -288,12 +273,6 @@ class Silent:
                     seen[key] = (float(stamp), _record_peer(entry))
                 kept[key] = entry
             self._seen = seen
-        records = [_record_epoch(entry) for entry in kept.values()]
-        # the swarm's epoch as hivemind reads it: client-mode peers' epochs do not set it
-        # (progress_tracker.py:303-306), but they come to rounds as followers
-        own = self._tracker.local_progress.epoch
-        newest = max([e for e, client in records if e is not None and not client] + [own])
-        self.in_step = max(1, sum(e is not None and e >= newest - 1 for e, _ in records))
         return kept
 
 

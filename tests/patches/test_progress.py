@@ -472,26 +472,3 @@ def test_a_peer_that_never_came_to_a_round_is_left_out_until_it_reports_again(dh
         b.report_local_progress(0, 9)  # B is back: a newer record
         assert wait_until(lambda: read() == (2, 14), timeout=20, interval=0.25), read()
         assert silent.count == 0
-
-
-def test_the_peers_in_step_are_those_that_can_come_to_the_next_round(dhts):
-    """leave_out_silent's ``in_step`` (item 30): B's record is two epochs behind A's (hivemind has B download
-    the state instead of coming to the round), so of the two peers A reads, one can come to its round; one
-    epoch behind (B about to step, as peers reach an epoch at slightly different moments), both; at A's epoch,
-    both. The strategy closes its groups at that count, so a newcomer that is still downloading does not hold
-    up the others' rounds until their expiration."""
-    with _two_trackers(dhts, "pytest-in-step", 10**6) as (a, b):
-        silent = progress.leave_out_silent(a)
-        a.report_local_progress(5, 5)
-        b.report_local_progress(3, 7)
-
-        def read() -> tuple[int, int | None]:
-            a.global_progress.next_fetch_time = get_dht_time()
-            a.global_state_updated.set()
-            return a.global_progress.num_peers, silent.in_step
-
-        assert wait_until(lambda: read() == (2, 1), timeout=20, interval=0.25), read()
-        b.report_local_progress(4, 1)
-        assert wait_until(lambda: read() == (2, 2), timeout=20, interval=0.25), read()
-        b.report_local_progress(5, 1)
-        assert wait_until(lambda: read() == (2, 2), timeout=20, interval=0.25), read()

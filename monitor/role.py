@@ -30,7 +30,7 @@ from swarm.net.fence import invite_name
 from swarm.net.fingerprint import MONITOR_FIELDS, check_against_swarm, join_line_for
 from swarm.net.invite import Invite
 from swarm.net.node import DHTProcessDied, check_addresses, start_node, visible_maddrs
-from swarm.procs import GracefulStop, remove_stale_sockets
+from swarm.procs import GracefulStop, own_children, remove_stale_sockets, stop_strays
 from swarm.training.checkpoint import CheckpointError
 from swarm.training.data import build_datasets, val_loader
 from swarm.training.model import autocast_dtype, evaluate, resolve_device
@@ -246,6 +246,7 @@ def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[s
     aggregator = EpochAggregator(cfg.monitor.settle_time, after_epoch=board.last_step)
     stop, node, model, evaluator = GracefulStop(), None, None, None
     warned: set = set()
+    children = own_children()
     stop.install()
     died: list[str] = []  # why the DHT process exited under the monitor (SwarmNode.watch)
     try:
@@ -299,6 +300,7 @@ def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[s
                 child.join(5)
         if node is not None:
             node.stop()
+        stop_strays(children)
         remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
     best = "n/a" if keeper.best_acc is None else f"{keeper.best_acc:.4f}"
     log.info("Monitor stopped at global epoch %d; best val acc %s", board.last_step, best)

@@ -32,7 +32,7 @@ from swarm.net import metrics
 from swarm.net.fingerprint import ConfigPublisher, check_against_swarm, join_line_for, wait_for_peers
 from swarm.net.node import DHTProcessDied, check_addresses, start_node
 from swarm.patches import robust, traffic
-from swarm.procs import GracefulStop, remove_stale_sockets
+from swarm.procs import GracefulStop, own_children, remove_stale_sockets, stop_strays
 from swarm.training.checkpoint import check_compatible, load_checkpoint, load_weights
 from swarm.training.data import build_datasets, peer_seed, train_loader, val_loader
 from swarm.training.model import (
@@ -686,6 +686,7 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
     )
 
     stop, node, strategy, reporter = GracefulStop(), None, None, None
+    children = own_children()
     stop.install()
     died: list[str] = []  # why the DHT process exited under this peer (SwarmNode.watch)
     try:
@@ -722,6 +723,7 @@ def run_volunteer(cfg: ExperimentConfig, config_name: str | None = None) -> dict
             strategy.shutdown()  # stops the node too
         elif node is not None:
             node.stop()
+        stop_strays(children)
         remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
     result = reporter.summary() if reporter is not None else {"peer_name": peer_name, "final_epoch": 0}
     result["complete"] = True

@@ -432,6 +432,35 @@ class GracefulStop:
         os._exit(0)
 
 
+def own_children() -> set:
+    """This process's live ``multiprocessing`` children: note them before a role starts, for
+    :func:`stop_strays`."""
+    import multiprocessing
+
+    return set(multiprocessing.active_children())
+
+
+def stop_strays(before: set, grace: float = 5.0) -> int:
+    """Stop this process's ``multiprocessing`` children that were not in ``before`` (:func:`own_children`)
+    and are still alive: call once a role has shut down what it holds. A signal that reaches the process
+    group while hivemind forks an averager (its Optimizer under construction) misses the new child, and the
+    interrupted constructor never hands the averager to its owner: it ran on, orphaned, waiting for a parent
+    that had left. SIGTERM, then SIGKILL after ``grace`` seconds; returns how many were stopped."""
+    import multiprocessing
+
+    strays = [child for child in multiprocessing.active_children() if child not in before]
+    for child in strays:
+        child.terminate()
+    for child in strays:
+        child.join(grace)
+        if child.is_alive():
+            child.kill()
+            child.join(1.0)
+    if strays:
+        log.info("Stopped %d helper process(es) that an interrupted start left without an owner", len(strays))
+    return len(strays)
+
+
 class ChildError(RuntimeError):
     """A child process did not do what was waited for; the message ends with its latest output."""
 

@@ -134,9 +134,11 @@ def join(**params: Any) -> None:
     from peer.volunteer import run_volunteer  # heavy: torch, timm, lightning, hivemind
 
     summary = run_volunteer(cfg, config_name=params.get("config"))
-    val = summary.get("final_val") or {}
+    # none for a peer stopped as it started
+    acc = (summary.get("final_val") or {}).get("acc")
+    shown = "n/a (not evaluated)" if acc is None or acc != acc else f"{acc:.4f}"
     click.echo(
-        f"Done: global epoch {summary['final_epoch']}, val acc {val.get('acc', float('nan')):.4f}, "
+        f"Done: global epoch {summary['final_epoch']}, val acc {shown}, "
         f"{summary.get('mean_samples_per_second') or 0:.1f} samples/s"
     )
     _exit_quietly()

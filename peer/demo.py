@@ -21,7 +21,7 @@ from swarm.layout import summary_path
 from swarm.net import metrics
 from swarm.net.fingerprint import join_line_for
 from swarm.net.node import DHTProcessDied, start_node
-from swarm.procs import Child, ChildError, GracefulStop, remove_stale_sockets
+from swarm.procs import Child, ChildError, GracefulStop, own_children, remove_stale_sockets, stop_strays
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ def run_bootstrap(cfg: ExperimentConfig, config_name: str | None = None) -> None
     stop.install()
     validators, _ = metrics.make_validators(cfg.swarm.run_id)
     node, died = None, []
+    children = own_children()
     try:
         node = start_node(cfg.swarm, validators)
         died = node.watch(stop)
@@ -47,6 +48,7 @@ def run_bootstrap(cfg: ExperimentConfig, config_name: str | None = None) -> None
         stop.restore()
         if node is not None:
             node.stop()
+        stop_strays(children)  # a DHT process forked after a signal to the group (swarm.procs.stop_strays)
         remove_stale_sockets(since=started, exclude_own=True, settle=3.0)
     if died:
         raise DHTProcessDied(died[0])

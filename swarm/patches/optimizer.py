@@ -143,7 +143,9 @@ def wire(opt: Any, wiring: Wiring) -> Wired:
     if suspects is not None:  # item 21: a banned peer is not counted in this peer's swarm
         progress.leave_out_banned(opt.tracker, lambda peer: suspects.banned_for(peer) > 0)
     if wiring.alone_grace > 0 and not wiring.diloco:  # item 30
-        wired.silent = progress.leave_out_silent(opt.tracker)
+        # half the grace is matchmaking_time: a group closes without a dead peer no sooner than that after
+        # its last record, while a live peer late for one round stored one within its last step
+        wired.silent = progress.leave_out_silent(opt.tracker, older_than=wiring.alone_grace / 2)
         for averager in (opt.grad_averager, opt.state_averager):
             matchmaking.give_up_alone(averager, wiring.alone_grace)
         leave_out_peers_that_never_came(opt, wired.silent, wiring.on_silent)

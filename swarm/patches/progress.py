@@ -223,8 +223,11 @@ class Silent:
     A live peer stores a newer record at its next step, so one marked wrongly (far behind, downloading, or
     late for one round) counts again at once."""
 
-    def __init__(self, tracker: Any) -> None:
+    def __init__(self, tracker: Any, older_than: float = 0.0) -> None:
         self._tracker, self._own = tracker, tracker._local_public_key
+        # only records at least this old are left out: a live peer that was late for one round has stored a
+        # record within its last step, a dead one's record only ages
+        self.older_than = older_than
         self._lock = threading.Lock()
         self._seen: dict[Any, tuple[float, str | None]] = {}  # the last read's other records: time, PeerID
         self._silent: dict[Any, float] = {}  # the record times left out, by subkey
@@ -240,9 +243,14 @@ class Silent:
         much later)."""
         from hivemind.utils import get_dht_time
 
-        upto = get_dht_time() - SILENT_SKEW
+        now = get_dht_time()
+        upto = now - SILENT_SKEW
         with self._lock:
-            gone = {key: max(stamp, upto) for key, (stamp, peer) in self._seen.items() if peer not in came}
+            gone = {
+                key: max(stamp, upto)
+                for key, (stamp, peer) in self._seen.items()
+                if peer not in came and now - stamp >= self.older_than
+            }
             self._silent.update(gone)
             for key in gone:
                 del self._seen[key]
@@ -276,10 +284,11 @@ class Silent:
         return kept
 
 
-def leave_out_silent(tracker: Any) -> Silent:
-    """Item 30: wrap ``tracker``'s reads with a :class:`Silent` and return it. Call before the other wrappers
-    of ``_parse_swarm_progress_data``, so that they see what it leaves."""
-    silent, parse = Silent(tracker), tracker._parse_swarm_progress_data
+def leave_out_silent(tracker: Any, older_than: float = 0.0) -> Silent:
+    """Item 30: wrap ``tracker``'s reads with a :class:`Silent` (leaving out records at least ``older_than``
+    seconds old at a note) and return it. Call before the other wrappers of ``_parse_swarm_progress_data``,
+    so that they see what it leaves."""
+    silent, parse = Silent(tracker, older_than), tracker._parse_swarm_progress_data
 
     def parsed(metadata: Any) -> Any:
         return parse(silent.kept(metadata))

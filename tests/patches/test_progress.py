@@ -472,3 +472,20 @@ def test_a_peer_that_never_came_to_a_round_is_left_out_until_it_reports_again(dh
         b.report_local_progress(0, 9)  # B is back: a newer record
         assert wait_until(lambda: read() == (2, 14), timeout=20, interval=0.25), read()
         assert silent.count == 0
+
+
+def test_a_peer_whose_record_is_fresh_is_not_left_out(dhts):
+    """leave_out_silent's ``older_than`` (item 30; the optimizer's wiring passes matchmaking_time): a peer
+    that was late for one round has stored a record within its last step, a dead one's record only ages. A
+    note leaves out only records at least that old: B's record, just stored, stays counted; once it is old
+    enough, the same note leaves it out."""
+    with _two_trackers(dhts, "pytest-silent-fresh", 10**6) as (a, b):
+        silent = progress.leave_out_silent(a, older_than=30.0)
+        a.report_local_progress(0, 5)
+        b.report_local_progress(0, 7)
+        assert wait_until(lambda: _peers_and_samples(a) == (2, 12), timeout=20, interval=0.25)
+        assert silent.note() == 0 and silent.count == 0
+        assert _peers_and_samples(a) == (2, 12)
+        silent.older_than = 0.0  # as if 30 s had passed without a newer record from B
+        assert silent.note() == 1
+        assert wait_until(lambda: _peers_and_samples(a) == (1, 5), timeout=20, interval=0.25)

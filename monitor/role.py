@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing
 import threading
 import time
 from pathlib import Path
@@ -295,9 +294,7 @@ def run_monitor(cfg: ExperimentConfig, config_name: str | None = None) -> dict[s
             model.shutdown()
         if died:  # hivemind's goodbye would wait on the dead DHT, and an averager whose start the death
             # interrupted (no model yet) has no other owner: stop every child process directly
-            for child in multiprocessing.active_children():
-                child.terminate()
-                child.join(5)
+            stop_strays(children)
         if node is not None:
             node.stop()
         stop_strays(children)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import faulthandler
 import functools
+import math
 import signal
 import sys
 from collections.abc import Callable
@@ -134,9 +135,8 @@ def join(**params: Any) -> None:
     from peer.volunteer import run_volunteer  # heavy: torch, timm, lightning, hivemind
 
     summary = run_volunteer(cfg, config_name=params.get("config"))
-    # none for a peer stopped as it started
-    acc = (summary.get("final_val") or {}).get("acc")
-    shown = "n/a (not evaluated)" if acc is None or acc != acc else f"{acc:.4f}"
+    acc = (summary.get("final_val") or {}).get("acc")  # none for a peer stopped as it started
+    shown = "n/a (not evaluated)" if acc is None or math.isnan(acc) else f"{acc:.4f}"
     click.echo(
         f"Done: global epoch {summary['final_epoch']}, val acc {shown}, "
         f"{summary.get('mean_samples_per_second') or 0:.1f} samples/s"

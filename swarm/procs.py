@@ -442,7 +442,8 @@ def own_children() -> set:
 
 def stop_strays(before: set, grace: float = 5.0) -> int:
     """Stop this process's ``multiprocessing`` children that were not in ``before`` (:func:`own_children`)
-    and are still alive: call once a role has shut down what it holds. A signal that reaches the process
+    and are still alive: call once a role has shut down what it holds (or when its DHT process died, and
+    hivemind's shutdown would wait on it). A signal that reaches the process
     group while hivemind forks an averager (its Optimizer under construction) misses the new child, and the
     interrupted constructor never hands the averager to its owner: it ran on, orphaned, waiting for a parent
     that had left. SIGTERM, then SIGKILL after ``grace`` seconds; returns how many were stopped."""
@@ -457,7 +458,7 @@ def stop_strays(before: set, grace: float = 5.0) -> int:
             child.kill()
             child.join(1.0)
     if strays:
-        log.info("Stopped %d helper process(es) that an interrupted start left without an owner", len(strays))
+        log.info("Stopped %d helper process(es) left running without an owner", len(strays))
     return len(strays)
 
 

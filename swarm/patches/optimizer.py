@@ -193,9 +193,7 @@ def leave_out_peers_that_never_came(opt: Any, silent: progress.Silent, on_silent
             return average(control)
         finally:
             if control is not None and control.done() and not control.cancelled():
-                # strangers (item 11) came: taken into the group, then dropped from its all-reduce, they
-                # wait for this peer in their next gradient round; left out, they were not met there
-                came = _group_of(control) + list(_strangers_of(control))
+                came = _came_to(control)
                 if isinstance(control.exception(), matchmaking.NobodyElseLooking):
                     count = silent.note()
                 elif 0 < len(came) < counted:
@@ -550,10 +548,12 @@ def _group_of(control: Any) -> list[Any]:
     return []
 
 
-def _strangers_of(control: Any) -> frozenset:
-    """The strangers (item 11) that a finished round's result names; empty if none or unknown."""
+def _came_to(control: Any) -> list[Any]:
+    """The PeerIDs of a finished round's group and of the strangers its result names (item 11): those were
+    taken into the group, then dropped from its all-reduce, and wait for this peer in their next gradient
+    round, so they came (left out, they were not met there). Empty if unknown."""
     group = _group_of(control)
-    return getattr(control.result(), "strangers", frozenset()) if group else frozenset()
+    return group + list(getattr(control.result(), "strangers", ())) if group else []
 
 
 def _judge_far(group: list[Any], own: Any, screen: Any, rejected: bool, seen: dict[str, int]) -> None:

@@ -3,6 +3,7 @@ peer's own inner state, and the reads of a peer that waits for the swarm."""
 
 from __future__ import annotations
 
+import threading
 import time
 from functools import partial
 from types import SimpleNamespace
@@ -12,7 +13,7 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 
-from swarm.averaging.diloco import group_formed
+from swarm.averaging.diloco import averaged_statistics, group_formed, outer_optimizer
 from swarm.patches import grad_averager, matchmaking, state_averager
 from swarm.patches import optimizer as wiring
 from swarm.waiting import wait_until
@@ -105,6 +106,68 @@ def test_diloco_peers_with_one_anchor_agree_whatever_their_own_inner_adamw_state
                 state.optimizer.state[p]["momentum_buffer"].fill_(1.0)
         same = [wiring.state_summary(opt, local_extras=True) for opt in opts]
         assert wiring.in_agreement({i: {"state": s, "peers": 2} for i, s in enumerate(same)})
+    finally:
+        for state in states:
+            state.shutdown()
+
+
+def test_a_diloco_state_round_averages_the_outer_momentum_and_the_peers_agree_after_it(dhts):
+    """Two DiLoCo peers with one anchor but different outer momenta (one took its first outer steps alone)
+    disagree (item 16). One real state round of their state averagers, built as the strategy builds them
+    (``averaged_statistics`` of the outer SGD), averages the momenta with the anchors: afterwards the two
+    hold one momentum and agree, so later state rounds are skipped and their outer steps stay equal. Before,
+    the round averaged the anchors alone, the next outer step parted them again, and every epoch needed a
+    state round (a missed one left the peers' anchors apart)."""
+    nodes = dhts(2)
+    torch.manual_seed(0)
+    nets = [torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    outers = [outer_optimizer(list(net.parameters()), lr=0.7, momentum=0.9) for net in nets]
+    assert averaged_statistics(outers[0]) == ("momentum_buffer",)
+    states = [
+        state_averager.state_averager_class(TrainingStateAverager)(
+            dht=node,
+            params=net.parameters(),
+            prefix="pytest-diloco-momentum-round",
+            optimizer=outer,
+            average_opt_statistics=averaged_statistics(outer),
+            extra_tensors=[torch.full((3,), float(i))],
+            min_matchmaking_time=MATCHMAKING,
+            request_timeout=1.5,
+            start=True,
+        )
+        for i, (node, net, outer) in enumerate(zip(nodes, nets, outers, strict=True))
+    ]
+    opts = [SimpleNamespace(state_averager=state, local_epoch=3) for state in states]
+    try:
+        with torch.no_grad():
+            for outer, value in zip(outers, (1.0, 3.0), strict=True):
+                for p in outer.param_groups[0]["params"]:
+                    outer.state[p]["momentum_buffer"].fill_(value)
+
+        def agree() -> bool:
+            summaries = [wiring.state_summary(opt, local_extras=True) for opt in opts]
+            return wiring.in_agreement({i: {"state": s, "peers": 2} for i, s in enumerate(summaries)})
+
+        assert not agree()
+        for state in states:
+            matchmaking.set_target_group_size(state, 2, {})
+        done: list = []
+        threads = [
+            threading.Thread(
+                target=lambda s=state: done.append(s.step(averaging_round=True, averaging_opts={"timeout": 60}))
+            )
+            for state in states
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(MATCHMAKING + 30)
+        assert len(done) == 2, done
+        for outer in outers:
+            for p in outer.param_groups[0]["params"]:
+                torch.testing.assert_close(outer.state[p]["momentum_buffer"], torch.full_like(p, 2.0))
+        assert agree()
     finally:
         for state in states:
             state.shutdown()

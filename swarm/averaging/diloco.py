@@ -118,6 +118,19 @@ def shared_state(
     return outer_optimizer(params, outer_lr, outer_momentum), inner_state_tensors(inner)
 
 
+def averaged_statistics(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+    """The state of the swarm's ``optimizer`` that a state round averages with its parameters (hivemind's
+    ``average_opt_statistics``), so that peers that parted (a missed or partial round, a first outer step
+    taken alone) hold one state again after it: Adam's moments, SGD's momentum (DiLoCo's outer optimizer).
+    Left out, SGD momenta that differ part the anchors again at every outer step, and the peers never agree
+    on one state (docs/hivemind-patches.md item 16)."""
+    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return ("exp_avg", "exp_avg_sq")
+    if isinstance(optimizer, torch.optim.SGD) and any(g["momentum"] > 0 for g in optimizer.param_groups):
+        return ("momentum_buffer",)
+    return ()
+
+
 def outer_optimizer(params: list[torch.Tensor], lr: float, momentum: float) -> torch.optim.SGD:
     return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
 

@@ -37,7 +37,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from swarm import patches
-from swarm.averaging.diloco import DiLoCo
+from swarm.averaging.diloco import DiLoCo, averaged_statistics
 from swarm.averaging.donors import AHEAD, DonorCheck
 from swarm.averaging.guard import StateGuard, SwarmWedgedError, all_finite
 from swarm.averaging.rounds import RoundClock
@@ -364,7 +364,6 @@ class HivemindStrategy(SingleDeviceStrategy):
         params = [p for group in inner.param_groups for p in group["params"]]
         self.guard = StateGuard(params, inner, each_step=self.averaging != "diloco")
         factory = self._grad_averager_factory()
-        statistics: tuple[str, ...] = ()
         if self.averaging == "diloco":
             # hivemind's optimizer runs the outer SGD on the anchors; the module's optimizer stays local
             self.diloco = DiLoCo(
@@ -376,9 +375,6 @@ class HivemindStrategy(SingleDeviceStrategy):
             swarm_optimizer, extra_tensors = self.diloco.outer, self.diloco.extra_tensors
         else:
             swarm_optimizer, extra_tensors = inner, ()
-            # Adam's moments are averaged with the parameters, so peers that missed a round realign fully
-            if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
-                statistics = ("exp_avg", "exp_avg_sq")
         sigint = signal.getsignal(signal.SIGINT)  # hivemind's averagers set SIGINT to SIG_IGN in this process
         optimizer_kwargs = dict(self._optimizer_kwargs)
         # hivemind 1.1.12 never takes client_mode from the DHT (optim/optimizer.py:205 tests `is None` the
@@ -395,7 +391,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             # hivemind passes averager_opts to the state averager only; the gradient averager needs the
             # same request_timeout, or matchmaking_time below 3 s risks deadlocks
             grad_averager_factory=factory,
-            average_opt_statistics=statistics,
+            average_opt_statistics=averaged_statistics(swarm_optimizer),
             **self.compression.optimizer_kwargs(),
             **optimizer_kwargs,
         )

@@ -410,9 +410,9 @@ def state_summary(opt: Any, local_extras: bool = False) -> dict[str, Any]:
         shared = list(averager._local_tensors())  # parameters, statistics, then the extra tensors (last)
         if local_extras:
             shared = shared[: len(shared) - len(averager.extra_tensors)]
-        # and the optimizer's state that the round does not average but the next update reads: DiLoCo's outer
-        # momentum (average_opt_statistics is empty there). Left out, peers that agreed on the anchors took
-        # outer steps with different momenta and parted right after every skipped round
+        # and the optimizer's state that the round does not average but the next update reads (momentum
+        # buffers outside average_opt_statistics). Left out, peers that agreed on the anchors took outer steps
+        # with different momenta and parted right after every skipped round
         known = {id(t) for t in shared}
         shared += [
             v

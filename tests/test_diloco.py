@@ -153,12 +153,8 @@ def test_a_diloco_state_round_averages_the_outer_momentum_and_the_peers_agree_af
         for state in states:
             matchmaking.set_target_group_size(state, 2, {})
         done: list = []
-        threads = [
-            threading.Thread(
-                target=lambda s=state: done.append(s.step(averaging_round=True, averaging_opts={"timeout": 60}))
-            )
-            for state in states
-        ]
+        held = dict(averaging_round=True, averaging_opts={"timeout": 60})
+        threads = [threading.Thread(target=lambda s=state: done.append(s.step(**held))) for state in states]
         for t in threads:
             t.start()
         for t in threads:

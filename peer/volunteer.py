@@ -437,7 +437,8 @@ class SwarmReporter(L.Callback):
         clock = self.strategy.clock
         if clock is None:
             return ""
-        new = clock.rounds[self.rounds_shown :]
+        # an epoch reached by a download is no round that this peer trained apart
+        new = [r for r in clock.rounds[self.rounds_shown :] if r["outcome"] != "downloaded"]
         self.rounds_shown = len(clock.rounds)
         if not new:
             return ""

@@ -12,7 +12,9 @@ A round ends in the local step at which the swarm has ``target_batch_size`` samp
 
 ``outcome`` says what the update used: ``averaged`` (the group's average, ``group`` peers), ``local`` (the
 round failed; this peer's own gradient of the round, see swarm/patches/grad_averager.py) or ``alone`` (no
-other peer). ``strangers`` counts the groupmates that never learnt of this peer's gradient group
+other peer); ``downloaded`` when no round ran and the epoch came with a state downloaded from peers
+(a newcomer, or a peer that fell behind: hivemind's ``step`` downloads instead of averaging; ``group`` 0).
+``strangers`` counts the groupmates that never learnt of this peer's gradient group
 (docs/hivemind-patches.md item 11: the state round of that epoch is skipped). ``rejected`` lists the averaged
 results this peer's screen refused in the round (``gradient``, ``state``; see swarm/averaging/screen.py): a
 rejected gradient round also steps on this peer's own gradient. ``agreed`` is true when the epoch's state
@@ -60,13 +62,14 @@ class RoundClock:
     def _reset(self) -> None:
         self.parts = dict.fromkeys(PARTS, 0.0)
         self.outcome, self.group, self.strangers = "alone", 1, 0
+        self.ran = False  # whether hivemind's epoch update ran since the last record (else: a download)
         self.rejected: list[str] = []
         self.agreed = False
 
     # ---- wrappers ---------------------------------------------------------------------------------------
     def _marked_round(self, method: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            self._in_round = True
+            self._in_round = self.ran = True
             try:
                 return method(*args, **kwargs)
             finally:
@@ -125,6 +128,8 @@ class RoundClock:
         ``flight`` seconds in the background, if it ran there); ``state_away``: how far its accepted state
         round moved the parameters (swarm/averaging/screen.py ``take_state_away``)."""
         parts = {k: round(v, 4) for k, v in self.parts.items()}
+        if not self.ran:
+            self.outcome, self.group = "downloaded", 0
         record = {
             "epoch": epoch,
             "end": round(end_seconds, 4),
@@ -150,7 +155,7 @@ class RoundClock:
             values = [r.get(key, 0.0) for r in rounds]
             out[f"{key}_seconds_total"] = round(sum(values), 3)
             out[f"{key}_seconds_median"] = round(statistics.median(values), 4) if values else None
-        for outcome in ("averaged", "local", "alone"):
+        for outcome in ("averaged", "local", "alone", "downloaded"):
             out[outcome] = sum(r["outcome"] == outcome for r in rounds)
         out["rejected"] = sum(bool(r.get("rejected")) for r in rounds)
         out["met_strangers"] = sum(r.get("strangers", 0) > 0 for r in rounds)

@@ -610,6 +610,49 @@ def test_a_download_one_epoch_behind_the_swarm_keeps_the_epoch_number_of_its_sta
         donor.shutdown()
 
 
+def test_an_epoch_reached_by_a_download_is_recorded_as_downloaded_not_as_a_round_alone(dhts):
+    """swarm/averaging/rounds.py: a peer behind the swarm reaches its new epoch by a download (hivemind's
+    ``step`` calls ``load_state_from_peers`` instead of ending a round). Its record says ``downloaded``
+    (group 0); before, it said ``alone``, and a newcomer's first download counted as a round it trained
+    alone. An epoch that the optimizer's own update ended, with no other peer, is still ``alone``."""
+    node_d, node_n = dhts(2)
+    run = "pytest-rounds-downloaded"
+    torch.manual_seed(0)
+    donor_net, new_net = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    (donor,) = _state_averagers([node_d], [donor_net], f"{run}_state_averager")
+    donor.local_epoch = donor.state_sharing_priority = 5
+    opt = hivemind.Optimizer(
+        dht=node_n,
+        run_id=run,
+        params=new_net.parameters(),
+        optimizer=partial(torch.optim.SGD, lr=0.1),
+        target_batch_size=8,
+        batch_size_per_step=4,
+        matchmaking_time=2.0,
+        averaging_timeout=4.0,
+        averager_opts={"request_timeout": 1.5},
+        load_state_timeout=20.0,
+    )
+    clock = RoundClock(opt, opt.state_averager.optimizer)
+    try:
+        opt.load_state_from_peers()  # what hivemind's step does for a peer behind the swarm
+        assert opt.local_epoch == 5
+        downloaded = clock.close_round(opt.local_epoch, 0.2)
+        assert (downloaded["outcome"], downloaded["group"]) == ("downloaded", 0), downloaded
+        for p in new_net.parameters():
+            p.grad = torch.ones_like(p)
+        opt._update_global_epoch(None)  # as hivemind's step ends an epoch; nobody else looks for a group
+        assert opt.local_epoch == 6
+        alone = clock.close_round(opt.local_epoch, 0.2)
+        assert (alone["outcome"], alone["group"]) == ("alone", 1), alone
+        summary = clock.summary()
+        assert (summary["downloaded"], summary["alone"], summary["averaged"]) == (1, 1, 0), summary
+    finally:
+        clock.close()
+        opt.shutdown()
+        donor.shutdown()
+
+
 def _step_while_at(opt: hivemind.Optimizer, epoch: int, seconds: float, most: int | None = None) -> int:
     """Steps of ``opt`` on gradients of ones, 50 ms apart, until it leaves ``epoch``, ``seconds`` pass or it
     took ``most`` steps; returns how many."""

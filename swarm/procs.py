@@ -95,10 +95,16 @@ def stop_group(proc: subprocess.Popen, grace: float = 15.0, sig: int = signal.SI
     Returns the leader's exit code (None if it had to be killed and could not be reaped).
 
     Descendants that left the group (torchrun starts its workers in sessions of their own) are SIGKILLed at
-    the end if still alive: a hung worker would otherwise outlive its agent, orphaned.
+    the end if still alive: a hung worker would otherwise outlive its agent, orphaned. Not torch's
+    shared-memory manager (:func:`_shared_memory_manager`), which unlinks the group's shared-memory files once
+    their last user has gone and then exits by itself: killed, it left them in /dev/shm for good.
     """
     pgid = proc.pid
-    strays = [(pid, _start_time(pid)) for pid in descendants(pgid) if pid not in group_members(pgid)]
+    strays = [
+        (pid, _start_time(pid))
+        for pid in descendants(pgid)
+        if pid not in group_members(pgid) and not _shared_memory_manager(pid)
+    ]
     try:
         if proc.poll() is None:
             proc.send_signal(sig)
@@ -111,6 +117,18 @@ def stop_group(proc: subprocess.Popen, grace: float = 15.0, sig: int = signal.SI
             if started is not None and _start_time(pid) == started:  # the same process, not a reused PID
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+
+def _shared_memory_manager(pid: int) -> bool:
+    """Whether ``pid`` is torch's ``torch_shm_manager``: hivemind shares tensors between a peer's processes
+    through files in /dev/shm (torch's ``file_system`` strategy), and the peer's first shared tensor starts
+    this manager in a session of its own. It unlinks each file once no process that registered it is left
+    (about 2 s after the peer's last process), then exits."""
+    try:
+        argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0]
+    except OSError:
+        return False
+    return os.path.basename(argv0) == b"torch_shm_manager"
 
 
 def _start_time(pid: int) -> int | None:

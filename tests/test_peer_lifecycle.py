@@ -367,6 +367,35 @@ def test_stopping_a_group_also_stops_descendants_that_left_it():
             agent.kill()
 
 
+def _shared_memory_files(pids: set[int]) -> list[str]:
+    """torch's shared-memory files (``file_system`` strategy: /dev/shm/torch_<creator pid>_<n>_<n>) that one
+    of ``pids`` created."""
+    return [f for f in glob.glob("/dev/shm/torch_*") if int(Path(f).name.split("_")[1]) in pids]
+
+
+def test_a_stopped_peer_leaves_no_shared_memory_behind(peers, tmp_path):
+    """A peer's processes share tensors through files in /dev/shm, which torch's ``torch_shm_manager`` (a
+    descendant of the peer, in a session of its own) unlinks once their last user has gone. Stopping a
+    group also stopped the descendants that left it, and so SIGKILLed the manager before it had cleaned up:
+    a peer stopped that way left its 180 files in /dev/shm (the demo's monitor, and every peer of a demo
+    stopped with Ctrl-C, too). Now the manager is left to clean up and exit by itself."""
+    args = ["join", "--config", "demo", "--run-id", "pytest-shm", "--log-dir", str(tmp_path)]
+    args += ["--host-maddr", "/ip4/127.0.0.1/tcp/0", "--peer-name", "shm", "--max-epochs", "100000"]
+    args += ["--threads", "1"]
+    peer = PeerProcess("shm", args, peers)
+    wait_until(lambda: peer.epoch() >= 3, timeout=120, interval=0.2)
+    assert peer.epoch() >= 3, peer.output()[-3000:]
+    from swarm.procs import descendants
+
+    pids = set(group_members(peer.pgid)) | {peer.pgid}
+    managers = [pid for pid in descendants(peer.pgid) if _cmdline(pid).startswith("torch_shm_manager")]
+    assert managers and _shared_memory_files(pids), (managers, sorted(pids))
+    assert peer.stop(grace=30.0) == 0, peer.output()[-3000:]
+    running = lambda: [m for m in managers if not _zombie(m)]  # noqa: E731
+    cleaned = lambda: not _shared_memory_files(pids) and not running()  # noqa: E731
+    assert wait_until(cleaned, timeout=20), (len(_shared_memory_files(pids)), running())
+
+
 def _cmdline(pid: int) -> str:
     with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
         return cmdline.read().replace(b"\0", b" ").decode(errors="replace")

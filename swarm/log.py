@@ -5,60 +5,77 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import traceback
 import warnings
 
 FORMAT = "%(asctime)s %(levelname).1s %(name)s | %(message)s"
 
-_FORK_WAIT_S = 2.0  # longest that a fork waits for one log handler that another thread is writing through
-_held_for_fork: list = []
+_FORK_WAIT_S = 2.0  # longest that a fork waits for a thread inside a log handler, and a thread for a fork
+_gate = threading.Condition()
+_inside = 0  # threads inside a log handler
+_forking: int | None = None  # the thread that is forking, while it forks
 _registered = False
 
 
 def fork_safe_logging() -> None:
-    """Make a fork wait until no other thread is inside a log handler. Idempotent; ``swarm`` calls it when
-    imported.
+    """Make a fork wait until no other thread is inside a log handler, and keep the other threads out of the
+    handlers until the fork is done. Idempotent; ``swarm`` calls it when imported.
 
     hivemind starts every averager (and the DHT) as a forked ``multiprocessing.Process`` while the parent's
     threads go on logging. Python re-creates each handler's lock in the child, but not the lock of the
     stream's buffer: a fork while another thread was inside ``stream.write`` leaves the child's buffer locked
     by a thread that does not exist there, and the child's first log line (hivemind's averagers log at
-    start-up) blocks for ever. Holding every handler's lock across the fork keeps other threads out of the
-    handlers' streams at that moment. A handler held elsewhere for longer than ``_FORK_WAIT_S`` is passed
-    over rather than stalling the fork."""
+    start-up) blocks for ever.
+
+    No lock is held across the fork: a thread that logs while a fork is under way waits for it at a gate,
+    for at most ``_FORK_WAIT_S``, then goes on. Holding every handler's lock across the fork, as this did
+    before, could deadlock: a thread inside ``ThreadPoolExecutor.submit`` holds the lock that
+    concurrent.futures' own before-fork hook takes, and it logged there (from a finalizer that garbage
+    collection ran) while the fork held its handler's lock. Such a thread now writes after its wait, and
+    the fork, which needs its lock, comes only after. A thread that stays inside a handler longer than
+    ``_FORK_WAIT_S`` is not waited for further."""
     global _registered
     if _registered or not hasattr(os, "register_at_fork"):
         return
     _registered = True
-    os.register_at_fork(
-        before=_hold_handlers, after_in_parent=_release_handlers, after_in_child=_forget_handlers
-    )
+    original = logging.Handler.handle
 
-
-def _hold_handlers() -> None:
-    # logging's own before-fork hook takes the module lock after this one (hooks run in reverse order of
-    # registration), which is the order FileHandler.close takes them: a handler's lock, then the module's
-    with logging._lock:  # type: ignore[attr-defined]
-        handlers = [ref() for ref in logging._handlerList]  # type: ignore[attr-defined]
-    for handler in handlers:
-        lock = getattr(handler, "lock", None) if handler is not None else None
-        if lock is not None and lock.acquire(timeout=_FORK_WAIT_S):
-            _held_for_fork.append(lock)
-
-
-def _release_handlers() -> None:
-    while _held_for_fork:
-        _held_for_fork.pop().release()
-
-
-def _forget_handlers() -> None:
-    # logging re-creates every handler's lock in the child before this hook runs; one it did not know of is
-    # still held by this thread, the only one the child has
-    while _held_for_fork:
+    def handle(self: logging.Handler, record: logging.LogRecord):  # type: ignore[no-untyped-def]
+        global _inside
+        with _gate:
+            if _forking is not None and _forking != threading.get_ident():
+                _gate.wait_for(lambda: _forking is None, timeout=_FORK_WAIT_S)
+            _inside += 1
         try:
-            _held_for_fork.pop().release()
-        except RuntimeError:  # re-created, so not held
-            pass
+            return original(self, record)
+        finally:
+            with _gate:
+                _inside -= 1
+                _gate.notify_all()
+
+    logging.Handler.handle = handle  # type: ignore[method-assign]
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_in_parent, after_in_child=_after_in_child)
+
+
+def _before_fork() -> None:
+    global _forking
+    with _gate:
+        _forking = threading.get_ident()
+        _gate.wait_for(lambda: not _inside, timeout=_FORK_WAIT_S)
+
+
+def _after_in_parent() -> None:
+    global _forking
+    with _gate:
+        _forking = None
+        _gate.notify_all()
+
+
+def _after_in_child() -> None:
+    # the only thread left is the one that forked
+    global _gate, _inside, _forking
+    _gate, _inside, _forking = threading.Condition(), 0, None
 
 
 def setup_logging(verbose: bool = False, quiet: bool = False) -> None:

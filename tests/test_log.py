@@ -95,6 +95,52 @@ def test_a_helper_forked_while_another_thread_logs_does_not_hang_on_its_first_li
     assert _hung_forks("swarm", 20) == 0
 
 
+# A thread holds the lock that concurrent.futures' before-fork hook takes (ThreadPoolExecutor.submit holds
+# it) and logs while the main thread forks: the hooks run in reverse order of registration, so swarm's
+# first, then this script's (it tells the thread to log), then concurrent.futures'. The child logs a line.
+_LOCKED_FORK = textwrap.dedent(
+    """
+    import concurrent.futures.thread as futures_thread
+    import logging, os, sys, threading, time
+
+    began = threading.Event()
+    os.register_at_fork(before=began.set)
+    import swarm  # noqa: F401
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+    log = logging.getLogger("locked")
+
+    def submitting():
+        with futures_thread._global_shutdown_lock:
+            began.wait(60)
+            log.info("logged while holding the executors' lock")
+
+    thread = threading.Thread(target=submitting)
+    thread.start()
+    while not futures_thread._global_shutdown_lock.locked():
+        time.sleep(0.001)
+    pid = os.fork()
+    if pid == 0:
+        log.info("the child logs")
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    thread.join()
+    print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+    """
+)
+
+
+def test_a_fork_while_a_thread_that_holds_another_fork_hooks_lock_logs_does_not_deadlock():
+    """Before, a fork held every log handler's lock across the other before-fork hooks: a thread that held
+    concurrent.futures' shutdown lock (inside ``ThreadPoolExecutor.submit``, as hivemind's progress tracker
+    does) and logged there waited for the fork's handler lock, while the fork waited for its lock (seen: a
+    test worker hung for 8 minutes building a hivemind.Optimizer). Now the thread waits at most 2 s at the
+    gate, writes its line, and the fork goes on."""
+    out = subprocess.run([sys.executable, "-c", _LOCKED_FORK], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines == ["logged while holding the executors' lock", "the child logs", "child exit 0"], lines
+
+
 def test_the_p2p_daemons_error_at_its_own_exit_is_left_out_and_other_errors_are_not():
     """p2pd logs its listener's closing as an ERROR when Ctrl-C reaches it with its peer (hivemind forwards
     it, p2p/p2p_daemon.py ``_log_p2pd_message``): to a user that reads like a crash, so the peer's console

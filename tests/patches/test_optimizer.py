@@ -547,6 +547,22 @@ def test_peers_whose_adamw_counted_different_steps_take_the_same_update_at_one_e
         assert ratio == pytest.approx(0.977, abs=0.001), ratio
 
 
+def _newcomer(node: hivemind.DHT, run: str, net: torch.nn.Module) -> hivemind.Optimizer:
+    """A plain hivemind.Optimizer of ``net`` (SGD, lr 0.1) that downloads the state of ``run``'s donors."""
+    return hivemind.Optimizer(
+        dht=node,
+        run_id=run,
+        params=net.parameters(),
+        optimizer=partial(torch.optim.SGD, lr=0.1),
+        target_batch_size=8,
+        batch_size_per_step=4,
+        matchmaking_time=2.0,
+        averaging_timeout=4.0,
+        averager_opts={"request_timeout": 1.5},
+        load_state_timeout=20.0,
+    )
+
+
 def test_a_download_one_epoch_behind_the_swarm_keeps_the_epoch_number_of_its_state(dhts, caplog):
     """Item 13. The only donor serves epoch 5 while another peer already announces epoch 6. Plain
     hivemind.Optimizer numbers the newcomer's download 6 ("Catching up with collaboration step",
@@ -565,18 +581,7 @@ def test_a_download_one_epoch_behind_the_swarm_keeps_the_epoch_number_of_its_sta
     try:
         ahead.report_local_progress(6, 1)
         assert wait_until(lambda: node_d.get(ahead.training_progress_key, latest=True), timeout=20)
-        opt = hivemind.Optimizer(
-            dht=node_n,
-            run_id=run,
-            params=new_net.parameters(),
-            optimizer=partial(torch.optim.SGD, lr=0.1),
-            target_batch_size=8,
-            batch_size_per_step=4,
-            matchmaking_time=2.0,
-            averaging_timeout=4.0,
-            averager_opts={"request_timeout": 1.5},
-            load_state_timeout=20.0,
-        )
+        opt = _newcomer(node_n, run, new_net)
         hivemind_download = partial(hivemind.Optimizer.load_state_from_peers, opt)
         wiring.download_the_epoch_it_names(opt, attempts=2, pause=0.2)
         assert wait_until(lambda: opt.tracker.global_epoch == 6, timeout=20), opt.tracker.global_progress
@@ -621,18 +626,7 @@ def test_an_epoch_reached_by_a_download_is_recorded_as_downloaded_not_as_a_round
     donor_net, new_net = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
     (donor,) = _state_averagers([node_d], [donor_net], f"{run}_state_averager")
     donor.local_epoch = donor.state_sharing_priority = 5
-    opt = hivemind.Optimizer(
-        dht=node_n,
-        run_id=run,
-        params=new_net.parameters(),
-        optimizer=partial(torch.optim.SGD, lr=0.1),
-        target_batch_size=8,
-        batch_size_per_step=4,
-        matchmaking_time=2.0,
-        averaging_timeout=4.0,
-        averager_opts={"request_timeout": 1.5},
-        load_state_timeout=20.0,
-    )
+    opt = _newcomer(node_n, run, new_net)
     clock = RoundClock(opt, opt.state_averager.optimizer)
     try:
         opt.load_state_from_peers()  # what hivemind's step does for a peer behind the swarm

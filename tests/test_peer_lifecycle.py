@@ -385,10 +385,10 @@ def test_a_stopped_peer_leaves_no_shared_memory_behind(peers, tmp_path):
     peer = PeerProcess("shm", args, peers)
     wait_until(lambda: peer.epoch() >= 3, timeout=120, interval=0.2)
     assert peer.epoch() >= 3, peer.output()[-3000:]
-    from swarm.procs import descendants
+    from swarm.procs import _shared_memory_manager, descendants
 
     pids = set(group_members(peer.pgid)) | {peer.pgid}
-    managers = [pid for pid in descendants(peer.pgid) if _cmdline(pid).startswith("torch_shm_manager")]
+    managers = [pid for pid in descendants(peer.pgid) if _shared_memory_manager(pid)]
     assert managers and _shared_memory_files(pids), (managers, sorted(pids))
     assert peer.stop(grace=30.0) == 0, peer.output()[-3000:]
     running = lambda: [m for m in managers if not _zombie(m)]  # noqa: E731

@@ -52,7 +52,8 @@ def fork_safe_logging() -> None:
         finally:
             with _gate:
                 _inside -= 1
-                _gate.notify_all()
+                if _forking is not None and not _inside:  # only a fork waits for the handlers to empty
+                    _gate.notify_all()
 
     logging.Handler.handle = handle  # type: ignore[method-assign]
     os.register_at_fork(before=_before_fork, after_in_parent=_after_in_parent, after_in_child=_after_in_child)

@@ -206,39 +206,47 @@ def test_diloco_peers_end_each_outer_step_equal_and_a_newcomer_loads_inner_and_o
     joined = int(
         late.wait_for(r"Loaded the swarm's state from peers: global epoch (\d+)", timeout=180).group(1)
     )
-    # ... and until the two donors have too: a donor starved while the newcomer comes up can miss the first
-    # round after the join (seen in a fresh clone: `second` a stranger in `first`'s round 45, item 8 of
-    # docs/hivemind-patches.md) and meets the others only in a later one; signalled as soon as `late` reached
-    # 46, `second` was still at 44 and the last outer steps compared below were 45-46 against 43-44
+    # ... and until the two donors have ended an outer step together since, with one anchor, and the newcomer
+    # has ended one with a donor's anchor: every outer step is the same averaged step on the same anchor. The
+    # newcomer's first rounds can pass the donors in turn: in CI the groups toward epochs 16, 17 and 18 were
+    # (first, late), (late, second), then all three, so the donors' anchors recorded before the signal were
+    # those of 16 and 18 against 15 and 17 (second recorded its 18 after the signal), all of them right, none
+    # in common. Compared by value, not by epoch number: a round that stalls while the newcomer joins can
+    # leave the peers' epoch counters one apart (seen: first's epoch 5 equal to second's epoch 6, both after
+    # the same 3-peer round).
     trio = (first, second, late)
-    assert wait_until(lambda: min(p.epoch() for p in trio) >= joined + 2, timeout=120), {
-        p.name: p.output()[-2000:] for p in trio
-    }
-    signalled_at = time.time()
+
+    def anchors(name: str) -> dict[int, list[float]]:
+        """The anchors ``name`` recorded after the outer steps it ended with a group since the join."""
+        try:
+            s = read_summary(tmp_path, run, name)
+        except FileNotFoundError:
+            return {}
+        averaged = [
+            h["epoch"]
+            for h in s["history"]
+            if h["epoch"] > joined
+            and h.get("round", {}).get("outcome") == "averaged"
+            and h["round"]["group"] >= 2
+        ]
+        return {e: s["checksums"][str(e)] for e in averaged if str(e) in s["checksums"]}
+
+    def shared(x: dict[int, list[float]], y: dict[int, list[float]]) -> bool:
+        return any(u == pytest.approx(v, rel=1e-6) for u in x.values() for v in y.values())
+
+    def together() -> bool:
+        mine, theirs, new = anchors("first"), anchors("second"), anchors("late")
+        return shared(mine, theirs) and (shared(new, mine) or shared(new, theirs))
+
+    assert wait_until(lambda: min(p.epoch() for p in trio) >= joined + 2 and together(), timeout=120), (
+        {n: anchors(n) for n in ("first", "second", "late")},
+        {p.name: p.output()[-2000:] for p in trio},
+    )
     for p in (first, second, late):
         os.killpg(p.pgid, signal.SIGTERM)
     for p in (first, second, late):
         assert p.wait(timeout=60) == 0, f"{p.name}:\n{p.output()[-4000:]}"
     a, b, c = (read_summary(tmp_path, run, n) for n in ("first", "second", "late"))
-
-    # every outer step is the same averaged step on the same anchor: the two peers held identical parameters
-    # after one of their last two outer steps before the signal. Compared by value, not by epoch number: a
-    # round that stalls (averaging_timeout) while the newcomer joins can leave the peers' epoch counters one
-    # apart (seen: first's epoch 5 equal to second's epoch 6, both after the same 3-peer round)
-    def recent(s: dict) -> list[list[float]]:
-        done = [
-            h["epoch"]
-            for h in s["history"]
-            if h["time"] <= signalled_at and str(h["epoch"]) in s["checksums"]
-        ]
-        return [s["checksums"][str(e)] for e in done[-2:]]
-
-    mine, theirs = recent(a), recent(b)
-    assert any(x == pytest.approx(y, rel=1e-6) for x in mine for y in theirs), (
-        mine,
-        theirs,
-        {p.name: p.output()[-2500:] for p in (first, second, late)},
-    )
     assert a["outer_steps"] >= 3 and b["outer_steps"] >= 3, (a["outer_steps"], b["outer_steps"])
     # and they trained between outer steps: the anchor moved at every recorded outer step but at most one
     # (a peer whose epoch counter catches up after a stalled round records the same anchor twice: seen in a

@@ -135,13 +135,26 @@ def join(**params: Any) -> None:
     from peer.volunteer import run_volunteer  # heavy: torch, timm, lightning, hivemind
 
     summary = run_volunteer(cfg, config_name=params.get("config"))
-    acc = (summary.get("final_val") or {}).get("acc")  # none for a peer stopped as it started
-    shown = "n/a (not evaluated)" if acc is None or math.isnan(acc) else f"{acc:.4f}"
-    click.echo(
+    click.echo(done_line(summary))
+    _exit_quietly()
+
+
+def done_line(summary: dict[str, Any]) -> str:
+    """A volunteer's last line: its global epoch, its last val acc, and that validation's epoch where it is
+    an earlier one (a peer that leaves on a signal does not evaluate again; without the epoch, a peer that
+    validated only as it started read as if it had trained to chance)."""
+    val = summary.get("final_val") or {}
+    acc = val.get("acc")  # none for a peer stopped as it started
+    if acc is None or math.isnan(acc):
+        shown = "n/a (not evaluated)"
+    elif val.get("epoch") not in (None, summary["final_epoch"]):
+        shown = f"{acc:.4f} (at global epoch {val['epoch']})"
+    else:
+        shown = f"{acc:.4f}"
+    return (
         f"Done: global epoch {summary['final_epoch']}, val acc {shown}, "
         f"{summary.get('mean_samples_per_second') or 0:.1f} samples/s"
     )
-    _exit_quietly()
 
 
 @main.command()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from peer.cli import main
+from peer.cli import done_line, main
 from swarm.config import ConfigError, build_config, replace
 
 
@@ -174,3 +174,13 @@ def test_the_join_line_repeats_the_shared_settings_that_flags_changed():
     options = {p.name: p.opts for p in main.commands["join"].params}
     for field, flag in JOIN_FLAGS.items():
         assert flag in options[field], (field, flag, options.get(field))
+
+
+def test_the_done_line_names_the_epoch_of_a_validation_older_than_the_peers_last_epoch():
+    # a peer that validated as it started (epoch 0) and left on a signal at epoch 18: not "val acc 0.0836"
+    left = {"final_epoch": 18, "final_val": {"epoch": 0, "acc": 0.0836}, "mean_samples_per_second": 1201.8}
+    assert done_line(left) == "Done: global epoch 18, val acc 0.0836 (at global epoch 0), 1201.8 samples/s"
+    ended = {"final_epoch": 160, "final_val": {"epoch": 160, "acc": 0.94}, "mean_samples_per_second": 400.0}
+    assert done_line(ended) == "Done: global epoch 160, val acc 0.9400, 400.0 samples/s"
+    unevaluated = {"final_epoch": 3, "final_val": None, "mean_samples_per_second": None}
+    assert done_line(unevaluated) == "Done: global epoch 3, val acc n/a (not evaluated), 0.0 samples/s"

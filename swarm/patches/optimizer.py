@@ -298,7 +298,10 @@ def decide_downloads_after_refusals(opt: Any, keep: Any = None) -> None:
     records are read again, and the peer of each record still more than one epoch ahead is counted at this
     peer's epoch for ``UNSERVED_FOR`` seconds (one epoch behind is left to item 13: a donor that stepped while
     this peer downloaded); a download that no donor answered marks nobody, so a newcomer still downloads until
-    it holds the swarm's state."""
+    it holds the swarm's state. A warning names a claimer only where its claim is known false (it declares no
+    state, or this peer asked it and it served an older state than it claimed as the download began); a
+    claimer that declares itself a donor and was not asked may be honest (its declaration lags, item 18, or it
+    stepped on during the download): one line of news for all such."""
     averager, tracker = opt.state_averager, opt.tracker
     unserved: dict[str, float] = {}  # item 25: peer (base58) -> until (time.monotonic)
     marked = [-math.inf]  # when unserved claims were last marked
@@ -320,6 +323,7 @@ def decide_downloads_after_refusals(opt: Any, keep: Any = None) -> None:
         return False
 
     def load_marking_unserved_claims(**kwargs: Any) -> Any:
+        before = dict(reads.claims)  # the claims of the read that sent this peer to download
         result = load(**kwargs)
         held = opt.local_epoch
         # one epoch ahead: a donor that stepped while this peer downloaded (item 13 downloads again)
@@ -327,18 +331,41 @@ def decide_downloads_after_refusals(opt: Any, keep: Any = None) -> None:
             return result
         claims = progress.claimed_epochs(tracker, keep=keep).items()
         ahead = {peer: epoch for peer, epoch in claims if epoch > held + 1 and not discounted(peer)}
-        if ahead:
-            now = marked[0] = time.monotonic()
-            for peer, epoch in ahead.items():
-                unserved[peer] = now + UNSERVED_FOR
-                log.warning(
-                    "Peer %s claims global epoch %d, but the newest state its donors served is epoch %d: "
-                    "this peer counts it at its own epoch for %.0f s instead of downloading again",
-                    peer,
-                    epoch,
-                    held,
-                    UNSERVED_FOR,
-                )
+        if not ahead:
+            return result
+        now = marked[0] = time.monotonic()
+        donors, moved_on = averager.declared_donors(), []
+        for peer, epoch in ahead.items():
+            unserved[peer] = now + UNSERVED_FOR
+            # blamed only where the claim is known false: no donor record, or this peer asked it and it served
+            # an older state than it claimed as the download began
+            served_less = peer == averager.answered_by and before.get(peer, -math.inf) > held + 1
+            if peer in donors and not served_less:
+                moved_on.append(epoch)
+                continue
+            why = (
+                f"it served the state of epoch {held}"
+                if served_less
+                else f"it serves no state (epoch {held} is the newest that its donors served)"
+            )
+            log.warning(
+                "Peer %s claims global epoch %d, but %s: this peer counts it at its own epoch for %.0f s "
+                "instead of downloading again",
+                peer,
+                epoch,
+                why,
+                UNSERVED_FOR,
+            )
+        if moved_on:
+            log.info(
+                "%d donor(s) that this download did not ask, or that stepped on while it ran, are at global "
+                "epochs up to %d, past the state of epoch %d that it got: this peer counts them at its own "
+                "epoch for %.0f s and meets them in its rounds instead of downloading again",
+                len(moved_on),
+                max(moved_on),
+                held,
+                UNSERVED_FOR,
+            )
         return result
 
     opt._should_load_state_from_peers = should_load_from_a_read_after_the_discounts

@@ -46,7 +46,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -299,9 +299,11 @@ def leave_out_silent(tracker: Any, older_than: float = 0.0) -> Silent:
 
 @dataclass
 class Reads:
-    """When a tracker wrapped by :func:`discount_refused` last read the swarm's progress (time.monotonic)."""
+    """When a tracker wrapped by :func:`discount_refused` last read the swarm's progress (time.monotonic), and
+    the epoch each record claimed then (base58 PeerID -> epoch, before any discount)."""
 
     at: float = -math.inf
+    claims: dict[str, int] = field(default_factory=dict)
 
 
 def claimed_epochs(tracker: Any, timeout: float = 5.0, keep: Any = None) -> dict[str, int]:
@@ -315,10 +317,15 @@ def claimed_epochs(tracker: Any, timeout: float = 5.0, keep: Any = None) -> dict
     except Exception as e:  # a DHT that is shutting down, a timeout
         log.debug("Could not read the swarm's progress records: %r", e)
         return {}
+    records = found.value if found is not None and isinstance(found.value, dict) else {}
+    return _claims(entry for subkey, entry in records.items() if keep is None or keep(subkey, entry))
+
+
+def _claims(entries: Any) -> dict[str, int]:
+    """The epoch that each of these progress records claims (base58 PeerID -> epoch), without records in
+    client mode and malformed ones."""
     epochs = {}
-    for subkey, entry in (found.value if found is not None and isinstance(found.value, dict) else {}).items():
-        if keep is not None and not keep(subkey, entry):
-            continue
+    for entry in entries:
         peer, value = _record_peer(entry), getattr(entry, "value", None)
         if peer is not None and isinstance(value, dict) and not value.get("client_mode", False):
             if isinstance(value.get("epoch"), int):
@@ -353,6 +360,7 @@ def discount_refused(tracker: Any, refused: Any) -> Reads:
 
     def parsed(metadata: Any) -> Any:
         if isinstance(metadata, dict):
+            reads.claims = _claims(metadata.values())
             metadata = {key: discounted(entry) for key, entry in metadata.items()}
         reads.at = time.monotonic()
         return parse(metadata)

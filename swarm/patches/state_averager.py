@@ -37,7 +37,8 @@ member of a state round takes the largest epoch it gathered, whatever its size.
 - item 25: a download notes whether a donor answered it (``donor_answered``): a state arrived (hivemind's
   ``DecentralizedAverager.load_state_from_peers`` returned one to ``TrainingStateAverager``,
   state_averager.py:667-674) and neither the screen nor the check undid it; hivemind applies it, or keeps
-  this peer's own state where the donor's is older.
+  this peer's own state where the donor's is older. Where this peer chose the donor (item 23) it notes which
+  (``answered_by``); :meth:`declared_donors` says which peers declare themselves donors.
 
 :func:`install` makes hivemind.Optimizer build this class (it reads the module-level name
 ``TrainingStateAverager`` of optim/optimizer.py:284). The class keeps hivemind's name: the p2p handlers'
@@ -155,6 +156,7 @@ class _SettledState:
         self.on_rejected: Any = None
         self.held_epoch: int | None = None  # item 13: the epoch of the state the last download left here
         self.donor_answered = False  # item 25: a donor's state arrived in the last download, and stands
+        self.answered_by: str | None = None  # item 25: that donor (base58), where this peer chose it
         self._swarm_received = False  # item 25: a state arrived in the download under way (_receiving)
         self._swarm_not_whole: str | None = None  # item 29: why the state that arrived was dropped
         self._swarm_arrived = False  # item 4: this download's state arrived, and no state is served
@@ -303,7 +305,7 @@ class _SettledState:
         after it (state_averager.py:682-697), and a state that the check would refuse must not be passed
         on."""
         self._swarm_arrived = False
-        self.donor_answered = False
+        self.donor_answered, self.answered_by = False, None
         try:
             if self.check_download is None:
                 return self._load_screened(**kwargs)
@@ -314,6 +316,27 @@ class _SettledState:
                 self._swarm_arrived = False
                 self._end_unsettled()
 
+    def _declarations(self: Any) -> list[tuple[Any, float]]:
+        """The donor records this peer reads in the DHT now: (PeerID, declared epoch), malformed ones left
+        out (hivemind's, averager.py:689-702)."""
+        from hivemind.p2p import PeerID
+        from hivemind.utils import ValueWithExpiration
+
+        found = self.dht.get(f"{self.prefix}.all_averagers", latest=True)
+        declared = []
+        for key, info in (found.value if found is not None and isinstance(found.value, dict) else {}).items():
+            if not (isinstance(info, ValueWithExpiration) and isinstance(info.value, float | int)):
+                continue
+            try:
+                declared.append((PeerID(key), float(info.value)))
+            except Exception:  # a malformed record
+                continue
+        return declared
+
+    def declared_donors(self: Any) -> set[str]:
+        """Item 25: the peers (base58) that declare themselves donors in the DHT now, this one included."""
+        return {peer.to_base58() for peer, _ in self._declarations()}
+
     def _donors(self: Any) -> list[Any]:
         """Item 23: the donors that declared themselves in the DHT, newest epoch first, without this peer, the
         donors refused lately and the groupmates this peer banned (item 21: its averagers would not call
@@ -323,23 +346,14 @@ class _SettledState:
         after round, not yet banned, is asked last."""
         import random
 
-        from hivemind.p2p import PeerID
-        from hivemind.utils import ValueWithExpiration
-
         from swarm.patches import robust
 
-        found = self.dht.get(f"{self.prefix}.all_averagers", latest=True)
+        declared = self._declarations()
         now = time.monotonic()
         self.refused_donors = {p: t for p, t in self.refused_donors.items() if t > now}
         suspects = robust.suspects()
         ranked = []
-        for key, info in (found.value if found is not None and isinstance(found.value, dict) else {}).items():
-            if not (isinstance(info, ValueWithExpiration) and isinstance(info.value, float | int)):
-                continue
-            try:
-                peer = PeerID(key)
-            except Exception:  # a malformed record
-                continue
+        for peer, epoch in declared:
             name = peer.to_base58()
             if peer == self.peer_id or name in self.refused_donors:
                 continue
@@ -347,7 +361,7 @@ class _SettledState:
             if held is not None and held.banned_for > 0:
                 continue
             trust = held.recent_scale if held is not None else 1.0
-            ranked.append(((float(info.value), trust, random.random()), peer))
+            ranked.append(((epoch, trust, random.random()), peer))
         return [peer for _, peer in sorted(ranked, key=lambda x: x[0], reverse=True)]
 
     def _load_checked(self: Any, **kwargs: Any) -> Any:
@@ -368,6 +382,7 @@ class _SettledState:
             finally:
                 self._outer_pipe.send(("_swarm_ask_only", [None], {}))
             if refused is None:
+                self.answered_by = name if self.donor_answered else None
                 return result
             self.refused_donors[name] = time.monotonic() + REFUSE_FOR
             gap, suspects = self.check_download.last_gap, robust.suspects()

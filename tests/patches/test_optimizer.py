@@ -6,6 +6,7 @@ applied) and with the change."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -712,22 +713,30 @@ def test_a_peer_that_refused_the_only_donor_ahead_trains_on_instead_of_downloadi
 
 @PLAIN_OR_PATCHED
 @pytest.mark.parametrize("own", [0, 5], ids=["donor at A's epoch", "donor behind A"])
+@pytest.mark.parametrize("claimer_donates", [False, True], ids=["no donor", "a donor not asked"])
 def test_a_peer_behind_an_epoch_that_no_donor_serves_trains_on_instead_of_downloading_at_every_step(
-    dhts, patched, own
+    dhts, patched, own, claimer_donates, caplog
 ):
-    """Item 25. A peer C that is no donor reports epoch 10^6 in its progress record; donor D serves the state
-    of epoch 0, A's own or older than A's (then hivemind drops it and A keeps its own). hivemind puts the
-    swarm at C's epoch, and at every step A finds itself behind, downloads D's state, is still behind, and
-    returns before accumulating anything: A never leaves its epoch. With decide_downloads_after_refusals, A
-    downloads once, counts C at its own epoch, and trains on: its round with nobody fails and it steps on its
-    own gradient to the next epoch."""
+    """Item 25. A peer C reports epoch 10^6 in its progress record; donor D serves the state of epoch 0, A's
+    own or older than A's (then hivemind drops it and A keeps its own). hivemind puts the swarm at C's epoch,
+    and at every step A finds itself behind, downloads D's state, is still behind, and returns before
+    accumulating anything: A never leaves its epoch. With decide_downloads_after_refusals, A downloads once,
+    counts C at its own epoch, and trains on: its round with nobody fails and it steps on its own gradient to
+    the next epoch. A C that is no donor is named in a warning; a C that declares itself a donor (at an
+    epoch below D's, so that A asks D) is not: it may be an honest donor whose declaration lags its progress
+    (item 18) or that stepped on during the download, and A did not ask it (seen in the monitor's test: a
+    newcomer that asked another newcomer still behind warned of the first peer)."""
     from tests.patches.test_state_averager import _donor_visible
 
     node_c, node_d, node_a = dhts(3)
-    run = f"pytest-rounds-unserved-claim-{patched}-{own}"
+    run = f"pytest-rounds-unserved-claim-{patched}-{own}-{claimer_donates}"
     torch.manual_seed(0)
     (donor,) = _state_averagers([node_d], [torch.nn.Linear(4, 3)], f"{run}_state_averager")
     claimer = ProgressTracker(node_c, run, target_batch_size=8, private_key=RSAPrivateKey(), start=True)
+    claiming_donor = None
+    if claimer_donates:
+        (claiming_donor,) = _state_averagers([node_c], [torch.nn.Linear(4, 3)], f"{run}_state_averager")
+        claiming_donor.state_sharing_priority = -1  # declared below D: A asks D
     try:
         claimer.report_local_progress(10**6, 1)
         # plain hivemind downloads at every step, up to 40 times in a row: with the 0.5 s wait per chunk one
@@ -749,16 +758,28 @@ def test_a_peer_behind_an_epoch_that_no_donor_serves_trains_on_instead_of_downlo
                 opt.tracker.update_epoch(own)
             claimed = wait_until(lambda: opt.tracker.global_epoch == 10**6, timeout=20)
             assert claimed, opt.tracker.global_progress
-            assert wait_until(lambda: _donor_visible(node_a, f"{run}_state_averager", donor), timeout=20)
+            donors = [donor] if claiming_donor is None else [donor, claiming_donor]
+            visible = lambda: all(_donor_visible(node_a, f"{run}_state_averager", d) for d in donors)  # noqa: E731
+            assert wait_until(visible, timeout=20)
 
-            steps = _step_while_at(opt, own, 30.0, most=None if patched else 40)  # as above
+            with caplog.at_level(logging.INFO, logger="swarm.patches.optimizer"):
+                steps = _step_while_at(opt, own, 30.0, most=None if patched else 40)  # as above
             assert kept and all(kept), kept  # every download got D's answer: D served, C did not
             if patched:
                 assert opt.local_epoch == own + 1, (opt.local_epoch, opt.tracker.global_progress)
                 assert len(downloads) == 1, (len(downloads), steps)
+                ours = [r for r in caplog.records if r.name == "swarm.patches.optimizer"]
+                warned = [r.getMessage() for r in ours if r.levelno >= logging.WARNING]
+                told = [r.getMessage() for r in ours if "did not ask" in r.getMessage()]
+                if claimer_donates:
+                    assert not warned and len(told) == 1 and "epochs up to 1000000" in told[0], caplog.text
+                else:
+                    assert len(warned) == 1 and "it serves no state" in warned[0] and not told, caplog.text
             else:
                 assert opt.local_epoch == own and opt.tracker.global_epoch == 10**6
                 assert len(downloads) >= steps // 2 and steps >= 20, (len(downloads), steps)
     finally:
         claimer.shutdown()
         donor.shutdown()
+        if claiming_donor is not None:
+            claiming_donor.shutdown()

@@ -323,7 +323,9 @@ def decide_downloads_after_refusals(opt: Any, keep: Any = None) -> None:
         return False
 
     def load_marking_unserved_claims(**kwargs: Any) -> Any:
-        before = dict(reads.claims)  # the claims of the read that sent this peer to download
+        # the claims of the read that sent this peer to download (read now if no read was seen yet: the
+        # tracker's first read, at its creation, comes before this wrapper)
+        before = dict(reads.claims) or progress.claimed_epochs(tracker, keep=keep)
         result = load(**kwargs)
         held = opt.local_epoch
         # one epoch ahead: a donor that stepped while this peer downloaded (item 13 downloads again)
@@ -344,7 +346,7 @@ def decide_downloads_after_refusals(opt: Any, keep: Any = None) -> None:
                 moved_on.append(epoch)
                 continue
             why = (
-                f"it served the state of epoch {held}"
+                "this peer asked it, and it served an older state"
                 if served_less
                 else f"it serves no state (epoch {held} is the newest that its donors served)"
             )

@@ -713,28 +713,36 @@ def test_a_peer_that_refused_the_only_donor_ahead_trains_on_instead_of_downloadi
 
 @PLAIN_OR_PATCHED
 @pytest.mark.parametrize("own", [0, 5], ids=["donor at A's epoch", "donor behind A"])
-@pytest.mark.parametrize("claimer_donates", [False, True], ids=["no donor", "a donor not asked"])
+@pytest.mark.parametrize("who", ["no donor", "a donor not asked", "the donor asked"])
 def test_a_peer_behind_an_epoch_that_no_donor_serves_trains_on_instead_of_downloading_at_every_step(
-    dhts, patched, own, claimer_donates, caplog
+    dhts, patched, own, who, caplog, monkeypatch
 ):
     """Item 25. A peer C reports epoch 10^6 in its progress record; donor D serves the state of epoch 0, A's
     own or older than A's (then hivemind drops it and A keeps its own). hivemind puts the swarm at C's epoch,
     and at every step A finds itself behind, downloads D's state, is still behind, and returns before
     accumulating anything: A never leaves its epoch. With decide_downloads_after_refusals, A downloads once,
     counts C at its own epoch, and trains on: its round with nobody fails and it steps on its own gradient to
-    the next epoch. A C that is no donor is named in a warning; a C that declares itself a donor (at an
-    epoch below D's, so that A asks D) is not: it may be an honest donor whose declaration lags its progress
-    (item 18) or that stepped on during the download, and A did not ask it (seen in the monitor's test: a
-    newcomer that asked another newcomer still behind warned of the first peer)."""
+    the next epoch. A C that is no donor is named in a warning, and so is D itself where it is the claimer and
+    A asked it (A chooses its donors with item 23's check); a C that declares itself a donor (at an epoch
+    below D's, so that A asks D) is not: it may be an honest donor whose declaration lags its progress (item
+    18) or that stepped on during the download, and A did not ask it (seen in the monitor's test: a newcomer
+    that asked another newcomer still behind warned of the first peer)."""
+    from swarm.averaging import donors as donor_checks
     from tests.patches.test_state_averager import _donor_visible
 
     node_c, node_d, node_a = dhts(3)
-    run = f"pytest-rounds-unserved-claim-{patched}-{own}-{claimer_donates}"
+    run = f"pytest-rounds-unserved-claim-{patched}-{own}-{who.replace(' ', '-')}"
     torch.manual_seed(0)
     (donor,) = _state_averagers([node_d], [torch.nn.Linear(4, 3)], f"{run}_state_averager")
-    claimer = ProgressTracker(node_c, run, target_batch_size=8, private_key=RSAPrivateKey(), start=True)
+    claimer = ProgressTracker(
+        node_d if who == "the donor asked" else node_c,
+        run,
+        target_batch_size=8,
+        private_key=RSAPrivateKey(),
+        start=True,
+    )
     claiming_donor = None
-    if claimer_donates:
+    if who == "a donor not asked":
         (claiming_donor,) = _state_averagers([node_c], [torch.nn.Linear(4, 3)], f"{run}_state_averager")
         claiming_donor.state_sharing_priority = -1  # declared below D: A asks D
     try:
@@ -742,6 +750,10 @@ def test_a_peer_behind_an_epoch_that_no_donor_serves_trains_on_instead_of_downlo
         # plain hivemind downloads at every step, up to 40 times in a row: with the 0.5 s wait per chunk one
         # of them could time out on a loaded machine, though D served it (kept had a False)
         with _lone_optimizer(node_a, run, chunk_timeout=10.0) as opt:
+            if who == "the donor asked":  # A asks one donor at a time, and so knows which one answered
+                monkeypatch.setattr(donor_checks, "WAIT_FOR_SKETCHES", 0.5)
+                check = donor_checks.DonorCheck(node_a, run, node_a.peer_id.to_base58())
+                opt.state_averager.check_download = check
             if patched:
                 wiring.decide_downloads_after_refusals(opt)
             download, downloads, kept = opt.load_state_from_peers, [], []
@@ -771,10 +783,15 @@ def test_a_peer_behind_an_epoch_that_no_donor_serves_trains_on_instead_of_downlo
                 ours = [r for r in caplog.records if r.name == "swarm.patches.optimizer"]
                 warned = [r.getMessage() for r in ours if r.levelno >= logging.WARNING]
                 told = [r.getMessage() for r in ours if "did not ask" in r.getMessage()]
-                if claimer_donates:
+                if who == "a donor not asked":
                     assert not warned and len(told) == 1 and "epochs up to 1000000" in told[0], caplog.text
                 else:
-                    assert len(warned) == 1 and "it serves no state" in warned[0] and not told, caplog.text
+                    why = (
+                        "it serves no state"
+                        if who == "no donor"
+                        else "this peer asked it, and it served an older"
+                    )
+                    assert len(warned) == 1 and why in warned[0] and not told, caplog.text
             else:
                 assert opt.local_epoch == own and opt.tracker.global_epoch == 10**6
                 assert len(downloads) >= steps // 2 and steps >= 20, (len(downloads), steps)

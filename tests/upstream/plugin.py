@@ -41,6 +41,8 @@ import pytest
 
 from tests.upstream.exclusions import EXCLUDED, RUN_DESPITE_SKIP
 
+PIDS_ENV = "SWARM_UPSTREAM_PIDS"  # where the runner wants the PIDs of the run's processes (run.py)
+
 
 def _classes() -> list[tuple[str, str, Any]]:
     """(module, attribute, swarm's class) for each class the swarm builds in place of hivemind's."""
@@ -156,9 +158,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--swarm-record", default=None, help="write what was installed and excluded (JSON) here")
 
 
+def _note_pid(path: str) -> None:
+    """Append this process's PID to ``path`` (one write of one line: appends of many processes do not mix)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, f"{os.getpid()}\n".encode())
+    finally:
+        os.close(fd)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     _fix_pytest_forked()
     _state["main_pid"] = os.getpid()
+    pids = os.environ.get(PIDS_ENV)
+    if pids:  # every process of the run, forked ones too, for the runner's clean-up of /dev/shm
+        _note_pid(pids)
+        os.register_at_fork(after_in_child=lambda: _note_pid(pids))
     if config.getoption("--swarm-patches") == "none":
         _state["mode"] = "none"
         return

@@ -16,6 +16,7 @@ pytest's code; prints one closing line of counts and the wall time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from swarm.patches import SUPPORTED
 from swarm.procs import group_members, remove_stale_sockets, start_group, stop_group
+from tests.upstream.plugin import PIDS_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -117,6 +119,23 @@ def _name(pid: int) -> str:
         return "?"
 
 
+def remove_shared_memory(pids: set[int], shm: Path = Path("/dev/shm")) -> int:
+    """Remove the shared-memory files in ``shm`` that torch created for processes of ``pids`` that are gone
+    (torch names them ``torch_<pid>_...``): hivemind's tests fork processes that share tensors and end some
+    of them abruptly, and their files outlive them (about 400 files a run). Returns how many were removed."""
+    removed = 0
+    for path in shm.glob("torch_*_*"):
+        try:
+            pid = int(path.name.split("_")[1])
+        except ValueError:
+            continue
+        if pid in pids and not Path(f"/proc/{pid}").exists():
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed += 1
+    return removed
+
+
 def counts(record: dict) -> Counter:
     """Tests by outcome (passed, failed, skipped, xfailed, xpassed), as the plugin recorded them."""
     return Counter(record.get("outcomes", {}).values())
@@ -133,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.monotonic()
     root = extract(fetch())
-    junit, record = CACHE / "report.xml", CACHE / "record.json"
-    for path in (junit, record):
+    junit, record, pids = CACHE / "report.xml", CACHE / "record.json", CACHE / "pids"
+    for path in (junit, record, pids):
         path.unlink(missing_ok=True)
     cmd = [
         sys.executable,
@@ -157,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     path = [str(ROOT), str(HERE / "shim")] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(path)
     env["OMP_NUM_THREADS"] = "1"
+    env[PIDS_ENV] = str(pids)
     print(" ".join(cmd), flush=True)
     since = time.time()
     proc = start_group(cmd, env=env, cwd=ROOT)
@@ -170,11 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         leftovers = Counter(_name(pid) for pid in group_members(proc.pid))
         stop_group(proc, grace=5.0)  # whatever the tests left running (p2p daemons orphaned by a fork)
-        remove_stale_sockets(since=since, settle=2.0)
+        remove_stale_sockets(since=since, settle=2.0)  # also torch's shared-memory managers' 2 s to clean up
+        ran = {int(x) for x in pids.read_text().split()} if pids.exists() else set()
+        shared = remove_shared_memory(ran)
     wall = time.monotonic() - started
     if leftovers:
         total = sum(leftovers.values())
         print(f"stopped {total} processes that hivemind's tests left running: {dict(leftovers)}", flush=True)
+    if shared:
+        print(f"removed {shared} shared-memory files that hivemind's tests left in /dev/shm", flush=True)
     if not junit.exists() or not record.exists():
         print("pytest stopped before its summary: no report", flush=True)
         return code or 1

@@ -325,7 +325,7 @@ def decide_downloads_after_refusals(opt: Any, keep: Any = None) -> None:
     def load_marking_unserved_claims(**kwargs: Any) -> Any:
         # the claims of the read that sent this peer to download (read now if no read was seen yet: the
         # tracker's first read, at its creation, comes before this wrapper)
-        before = dict(reads.claims) or progress.claimed_epochs(tracker, keep=keep)
+        before = reads.claims() or progress.claimed_epochs(tracker, keep=keep)
         result = load(**kwargs)
         held = opt.local_epoch
         # one epoch ahead: a donor that stepped while this peer downloaded (item 13 downloads again)

@@ -300,10 +300,14 @@ def leave_out_silent(tracker: Any, older_than: float = 0.0) -> Silent:
 @dataclass
 class Reads:
     """When a tracker wrapped by :func:`discount_refused` last read the swarm's progress (time.monotonic), and
-    the epoch each record claimed then (base58 PeerID -> epoch, before any discount)."""
+    the records it read then (before any discount)."""
 
     at: float = -math.inf
-    claims: dict[str, int] = field(default_factory=dict)
+    records: dict = field(default_factory=dict)
+
+    def claims(self) -> dict[str, int]:
+        """The epoch that each record of the last read claimed (base58 PeerID -> epoch)."""
+        return _claims(self.records.values())
 
 
 def claimed_epochs(tracker: Any, timeout: float = 5.0, keep: Any = None) -> dict[str, int]:
@@ -360,7 +364,7 @@ def discount_refused(tracker: Any, refused: Any) -> Reads:
 
     def parsed(metadata: Any) -> Any:
         if isinstance(metadata, dict):
-            reads.claims = _claims(metadata.values())
+            reads.records = metadata  # read into claims only when a download needs them
             metadata = {key: discounted(entry) for key, entry in metadata.items()}
         reads.at = time.monotonic()
         return parse(metadata)

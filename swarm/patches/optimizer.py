@@ -314,11 +314,20 @@ def decide_downloads_after_refusals(opt: Any, keep: Any = None) -> None:
     should_load, load = opt._should_load_state_from_peers, opt.load_state_from_peers
 
     def should_load_from_a_read_after_the_discounts() -> bool:
-        if not should_load():
-            return False
         last = max([until - REFUSE_FOR for until in averager.refused_donors.values()] + marked)
-        if last == -math.inf or reads.at > last:  # no discount ever, or none began since the read
-            return True
+        if last == -math.inf:  # no discount ever
+            return should_load()
+        # the tracker reads and sets its epoch under this lock: holding it, the epoch that hivemind judges is
+        # the one of the read whose time is checked (a read in flight: the next step decides)
+        if not tracker.lock_global_progress.acquire(blocking=False):
+            return False
+        try:
+            if not should_load():
+                return False
+            if reads.at > last:  # no discount began since the read
+                return True
+        finally:
+            tracker.lock_global_progress.release()
         progress.read_within(tracker, 0.0)  # the next step decides from the new read
         return False
 
@@ -335,10 +344,12 @@ def decide_downloads_after_refusals(opt: Any, keep: Any = None) -> None:
         ahead = {peer: epoch for peer, epoch in claims if epoch > held + 1 and not discounted(peer)}
         if not ahead:
             return result
-        now = marked[0] = time.monotonic()
         donors, moved_on = averager.declared_donors(), []
+        now = time.monotonic()
+        unserved.update((peer, now + UNSERVED_FOR) for peer in ahead)
+        # marked after the discounts are in place: a read that began later has applied them
+        marked[0] = time.monotonic()
         for peer, epoch in ahead.items():
-            unserved[peer] = now + UNSERVED_FOR
             # blamed only where the claim is known false: no donor record, or this peer asked it and it served
             # an older state than it claimed as the download began
             served_less = peer == averager.answered_by and before.get(peer, -math.inf) > held + 1

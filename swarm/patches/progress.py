@@ -363,10 +363,11 @@ def discount_refused(tracker: Any, refused: Any) -> Reads:
         )
 
     def parsed(metadata: Any) -> Any:
+        at = time.monotonic()  # before the discounts are applied: a discount that began later is not in it
         if isinstance(metadata, dict):
             reads.records = metadata  # read into claims only when a download needs them
             metadata = {key: discounted(entry) for key, entry in metadata.items()}
-        reads.at = time.monotonic()
+        reads.at = at
         return parse(metadata)
 
     tracker._parse_swarm_progress_data = parsed

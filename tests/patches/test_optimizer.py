@@ -756,6 +756,17 @@ def test_a_peer_behind_an_epoch_that_no_donor_serves_trains_on_instead_of_downlo
                 opt.state_averager.check_download = check
             if patched:
                 wiring.decide_downloads_after_refusals(opt)
+                # the tracker reads while a download marks the claimers (as it may on a loaded machine): a
+                # read that lands before the marks are in place must not send this peer to download again
+                declared = opt.state_averager.declared_donors
+
+                def declared_while_the_tracker_reads() -> set[str]:
+                    seen = opt.tracker.global_progress
+                    progress.read_within(opt.tracker, 0.0)
+                    assert wait_until(lambda: opt.tracker.global_progress is not seen, timeout=10)
+                    return declared()
+
+                opt.state_averager.declared_donors = declared_while_the_tracker_reads
             download, downloads, kept = opt.load_state_from_peers, [], []
 
             def counted_download(**kwargs):

@@ -251,6 +251,13 @@ def averaging_options(func: Callable) -> Callable:
                 "and ask the next donor if they contradict it [on].",
             ),
             click.option(
+                "--download-donors",
+                type=click.IntRange(1),
+                default=None,
+                help="Download the swarm's state in slices from up to this many donors at once, checked "
+                "as a whole [4].",
+            ),
+            click.option(
                 "--judge-steps/--no-judge-steps",
                 default=None,
                 help="Also reject a gradient round when the step Adam would take on it raises the loss of "

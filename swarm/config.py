@@ -221,6 +221,11 @@ class SwarmConfig:
     """DiLoCo: momentum of the outer Nesterov SGD (the paper's 0.9)."""
     load_state_timeout: float = 60.0
     """Seconds to wait for a peer to send the swarm's state to a newcomer."""
+    download_donors: int = 4
+    """A newcomer (or a peer that fell behind) downloads the swarm's state from up to this many donors at
+    once, each sending a slice, where they hold the same global epoch: a home link downloads several times
+    faster than one donor uploads. The state put together is checked as a whole (``check_downloads``); 1
+    takes it from one donor. A per-peer policy."""
     bootstrap_timeout: float = 20.0
     """Seconds to wait for the initial peers to answer before giving up with an error."""
     metrics_expiration: float = 60.0
@@ -255,6 +260,7 @@ class SwarmConfig:
         _check(self.linger >= 0, "linger", self.linger, "seconds >= 0")
         _check(self.report_every >= 0, "report_every", self.report_every, "seconds >= 0")
         _check(self.min_peers >= 1, "min_peers", self.min_peers, "an integer >= 1")
+        _check(self.download_donors >= 1, "download_donors", self.download_donors, "an integer >= 1")
         _check(
             self.reject_factor == 0 or self.reject_factor > 1,
             "reject_factor",

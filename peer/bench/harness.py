@@ -310,8 +310,9 @@ def local(
 
 def peer_rate(s: dict[str, Any]) -> float:
     """A peer's samples/s over its training windows (validation excluded, averaging waits included)."""
-    done = [h for h in s["history"] if h["mini_steps"] and h["samples_per_second"]]
-    return sum(h["samples"] for h in done) / max(s["train_seconds"], 1e-9)  # the summary's sum of windows
+    # a peer stopped while it started (a newcomer under churn) left a summary without any of these
+    done = [h for h in s.get("history", []) if h["mini_steps"] and h["samples_per_second"]]
+    return sum(h["samples"] for h in done) / max(s.get("train_seconds", 0.0), 1e-9)  # the sum of windows
 
 
 def samples_per_epoch(sums: list[dict[str, Any]]) -> float:

@@ -264,11 +264,11 @@ def _row(
     reached = [
         h["time"] - began
         for s in sums
-        for h in s["history"]
+        for h in s.get("history", [])  # none in a peer stopped while it started (under churn)
         if h.get("val_acc") is not None and h["val_acc"] >= TARGET_ACC
     ]
     swarm_rate = sum(peer_rate(s) for s in sums)
-    samples = sum(h["samples"] for s in sums for h in s["history"])
+    samples = sum(h["samples"] for s in sums for h in s.get("history", []))
     shares = [c["helpers"] / max(c["self"] + c["helpers"], 1e-9) for s in sums if (c := s.get("cpu_seconds"))]
     ends = [r["end"] for s in sums for r in s.get("rounds", [])]
     flights = [r.get("flight", 0.0) for s in sums for r in s.get("rounds", [])]
@@ -292,9 +292,9 @@ def _row(
         "speedup": round(lone_time / swarm_time, 2) if swarm_time and lone_time else None,
         "speedup_goal": round(goal, 2),
         "target_acc": TARGET_ACC,
-        "global_epochs": max(s["final_epoch"] for s in sums),
+        "global_epochs": max(s.get("final_epoch", 0) for s in sums),
         "final_val_acc": round(sum(accs) / len(accs), 4) if accs else None,
-        "bytes_per_sample": round(sum(s["bytes_sent"] for s in sums) / max(samples, 1), 1),
+        "bytes_per_sample": round(sum(s.get("bytes_sent", 0) for s in sums) / max(samples, 1), 1),
         "stalled_rounds": sum(e > STALL_S for e in ends),
         "rounds": len(ends),
         "median_round_end_s": round(sorted(ends)[len(ends) // 2], 3) if ends else None,
@@ -317,8 +317,8 @@ def churn_fields(sums: list[dict[str, Any]], churn: Churn, lone_rates: list[floa
     by_name = {s["incarnation"]["name"]: s for s in sums}
     first = [by_name[c.name] for c in churn.incarnations if not c.newcomer and c.name in by_name]
     began = min(s["started_at"] for s in first if s.get("started_at"))
-    end = max(h["time"] for s in sums for h in s["history"])
-    useful = sum(h["samples"] for s in sums for h in s["history"] if began <= h["time"] <= end)
+    end = max(h["time"] for s in sums for h in s.get("history", []))
+    useful = sum(h["samples"] for s in sums for h in s.get("history", []) if began <= h["time"] <= end)
     alive = 0.0
     for c in churn.incarnations:
         since = max(c.launched, began) if c.newcomer else began

@@ -140,6 +140,8 @@ class HivemindStrategy(SingleDeviceStrategy):
             swarm/averaging/donors.py).
         judge_steps: also judge each gradient round by the loss after the step Adam would take on it (see
             swarm/averaging/screen.py ``judge_step``).
+        download_donors: with ``check_downloads``, take a download in slices from up to this many donors at
+            once (see swarm/patches/state_averager.py, item 31); 1: from one donor.
         overlap_rounds: DiLoCo: run each outer round in the background while the inner steps go on, and
             apply its result one round late (see swarm/averaging/diloco.py).
         optimizer_kwargs: passed on to ``hivemind.Optimizer``.
@@ -179,6 +181,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         aggregation: str = "centered_clip",
         check_downloads: bool = True,
         judge_steps: bool = False,
+        download_donors: int = 4,
         overlap_rounds: bool = False,
         match_early: bool = False,
         **optimizer_kwargs: Any,
@@ -215,6 +218,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         # invite-only: the progress records count under the PeerIDs their signers' member records name
         self.member_book = MemberBook(node.dht, node.invite) if node.invite is not None else None
         self.refused_downloads = 0
+        self.download_donors = download_donors
         self._nonfinite_in_row = 0  # local steps in a row with non-finite gradients
         self.clock: RoundClock | None = None
         self._wired: Wired | None = None  # what swarm/patches/optimizer.py hung on the optimizer
@@ -288,6 +292,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             aggregation=swarm.aggregation,
             check_downloads=swarm.check_downloads,
             judge_steps=swarm.judge_steps,
+            download_donors=swarm.download_donors,
             overlap_rounds=swarm.overlap_rounds,
             match_early=swarm.match_early,
         )
@@ -416,6 +421,7 @@ class HivemindStrategy(SingleDeviceStrategy):
                 alone_grace=2 * self._optimizer_kwargs["matchmaking_time"],
                 on_silent=self._on_silent_peers,
                 check_download=self.donor_check,
+                download_donors=self.download_donors,
                 on_refused=self._on_refused_download,
                 members=self.member_book.current if self.member_book is not None else None,
             ),

@@ -97,6 +97,8 @@ class Wiring:
     """A swarm.averaging.donors.DonorCheck: every download is checked against the swarm's state (item 23)."""
     on_refused: Callable[[str, str], None] | None = None
     """Told (donor, reason) of every download that the screen or the check refused (item 23)."""
+    download_donors: int = 1
+    """With ``check_download``: a download comes in slices from up to this many donors at once (item 31)."""
     alone_grace: float = 0.0
     """> 0: a gradient or state round in which no other peer was read as looking for a group, and no follower
     came, for this many seconds fails then, not at its deadline; the peers counted in it are left out of the
@@ -156,6 +158,7 @@ def wire(opt: Any, wiring: Wiring) -> Wired:
         screen_rounds(opt, wiring.screen, wiring.on_rejected, wiring.own_scale)  # item 7
     opt.state_averager.check_download = wiring.check_download  # item 23
     opt.state_averager.on_refused = wiring.on_refused
+    opt.state_averager.download_donors = wiring.download_donors  # item 31
     keep = None
     if wiring.members is not None:  # item 26: a record speaks for the PeerID its signer's member record names
         keep = progress.vouched_by(wiring.members, opt.tracker._local_public_key)

@@ -65,6 +65,10 @@ log = logging.getLogger(__name__)
 DECLARE_EVERY = 5.0  # item 18: seconds between two of a donor's declarations that only change its epoch
 DONORS_TRIED = 3  # item 23: donors asked in one download at most
 REFUSE_FOR = 300.0  # item 23: seconds for which a donor whose state was refused is not asked again
+# item 31: a helper donor (one that sends a slice) may declare an epoch this much older than the donor it
+# helps: a donor stores a changed epoch at most every DECLARE_EVERY seconds (item 18), so one declared epoch
+# behind is often the same state; the epochs that the slices arrive with are what is compared
+HELPER_EPOCHS_BEHIND = 1
 SKETCH_COLUMNS, SKETCH_DIRECTIONS = 1024, 4  # item 23: a state folded into 1024 sums, then 4 projections
 _ROLE_NAMES = {"PARAMETER": "parameters", "OPTIMIZER": "optimizer statistics"}
 
@@ -168,6 +172,12 @@ class _SettledState:
         self.serve_filter: Any = None  # the bad_donor fault (swarm/faults.py): changes the parameters served
         self.round_filter: Any = None  # the bad_state fault: changes the parameters this peer sends in rounds
         self._swarm_only_donor: bytes | None = None  # item 23, in the averager process: the one donor to ask
+        # item 31: at most this many donors send one download, each a slice (1: the whole state from one; the
+        # strategy sets the config's download_donors); helpers of a refused download are left out for a while
+        self.download_donors = 1
+        self.unhelpful: dict[str, float] = {}  # base58 -> monotonic time until which it helps no download
+        self._swarm_helpers: list[bytes] = []  # item 31, in the averager process: the slices' other donors
+        self._swarm_slices: list[tuple[int, int]] = []  # the slices: [start, stop) of the state's tensors
         super().__init__(*args, **kwargs)  # starts the thread that serves the state
         # a donor whose refused state shares nothing with the swarm's is banned only where the peers are meant
         # to hold one state: DiLoCo's peers (extra tensors: their inner moments) hold their groups' anchors,
@@ -344,6 +354,10 @@ class _SettledState:
         first (the average of their last judged scales, swarm/suspects.py; 1 for a peer never judged), then
         in random order, as hivemind's (averager.py:689-702): a groupmate whose gradients were clipped round
         after round, not yet banned, is asked last."""
+        return [peer for peer, _ in self._ranked_donors()]
+
+    def _ranked_donors(self: Any) -> list[tuple[Any, float]]:
+        """:meth:`_donors` with the epoch each declares."""
         import random
 
         from swarm.patches import robust
@@ -362,7 +376,49 @@ class _SettledState:
                 continue
             trust = held.recent_scale if held is not None else 1.0
             ranked.append(((epoch, trust, random.random()), peer))
-        return [peer for _, peer in sorted(ranked, key=lambda x: x[0], reverse=True)]
+        return [(peer, key[0]) for key, peer in sorted(ranked, key=lambda x: x[0], reverse=True)]
+
+    def _helpers(self: Any, donor: Any, epoch: float, ranked: list[tuple[Any, float]]) -> list[Any]:
+        """Item 31: the donors (in ``ranked``'s order) that send slices of ``donor``'s download with it: at
+        most ``download_donors - 1``, each declaring ``donor``'s epoch or up to ``HELPER_EPOCHS_BEHIND``
+        before it, none that helped a download refused lately."""
+        now = time.monotonic()
+        self.unhelpful = {p: t for p, t in self.unhelpful.items() if t > now}
+        helpers = [
+            peer
+            for peer, declared in ranked
+            if peer != donor
+            and epoch - HELPER_EPOCHS_BEHIND <= declared <= epoch
+            and peer.to_base58() not in self.unhelpful
+        ]
+        return helpers[: max(0, self.download_donors - 1)]
+
+    def _slices(self: Any, count: int) -> list[tuple[int, int]]:
+        """Item 31: this peer's state (the tensors that ``get_current_state`` lists: parameters, extras, the
+        optimizer's) cut into at most ``count`` runs of whole tensors, each about as many bytes on the wire
+        (``state_compression``'s estimate) as the others. A donor of the same model lists the same tensors."""
+        from hivemind.compression import CompressionInfo, TensorRole
+        from hivemind.optim.state_averager import dump_optimizer_state
+
+        with torch.no_grad(), self.lock_averaged_tensors:
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            _, opt_tensors = dump_optimizer_state(self.optimizer)
+            roles = [TensorRole.PARAMETER] * len(params) + [TensorRole.UNSPECIFIED] * len(self.extra_tensors)
+            roles += [TensorRole.OPTIMIZER] * len(opt_tensors)
+            tensors = [*params, *self.extra_tensors, *opt_tensors]
+            sizes = [
+                t.numel() * t.element_size()
+                * self.state_compression.estimate_compression_ratio(CompressionInfo.from_tensor(t, role=role))
+                for t, role in zip(tensors, roles, strict=True)
+            ]  # fmt: skip
+        total, bounds = sum(sizes), [0]
+        done = 0.0
+        for i, size in enumerate(sizes[:-1]):
+            done += size
+            if len(bounds) < count and done >= total * len(bounds) / count:
+                bounds.append(i + 1)
+        bounds.append(len(sizes))
+        return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
     def _load_checked(self: Any, **kwargs: Any) -> Any:
         """Item 23: ask one donor at a time, newest first (at most ``DONORS_TRIED``); each download is judged
@@ -370,11 +426,24 @@ class _SettledState:
         epoch. A contradicted state is undone, with this peer's own epoch, and its donor is not asked again
         for ``REFUSE_FOR`` seconds; one that shares nothing with the swarm's (further than ``STATE_FAR``)
         also bans its donor from this peer's groups (swarm/suspects.py ``served_far``), where the peers are
-        meant to hold one state (``bans_bad_donors``)."""
+        meant to hold one state (``bans_bad_donors``).
+
+        Item 31: with ``download_donors`` > 1, other donors at about the donor's epoch send slices of the
+        state at the same time (a volunteer's link downloads several times faster than a donor's uploads). The
+        check judges the state put together; if it is refused, its helpers help no download for
+        ``REFUSE_FOR`` seconds (which of them sent the bad slice is not known), and the donor is asked alone
+        at once, so that only the state it sends itself is held against it."""
         result = None
-        for donor in self._donors()[:DONORS_TRIED]:
+        ranked = self._ranked_donors()
+        tries = [(peer, epoch, True) for peer, epoch in ranked[:DONORS_TRIED]]
+        while tries:
+            donor, epoch, helped = tries.pop(0)
             name = donor.to_base58()
-            self._outer_pipe.send(("_swarm_ask_only", [donor.to_bytes()], {}))
+            helpers = self._helpers(donor, epoch, ranked) if helped else []
+            slices = self._slices(1 + len(helpers)) if helpers else []
+            helpers = helpers[: max(0, len(slices) - 1)]
+            asked = ([donor.to_bytes()], {"helpers": [h.to_bytes() for h in helpers], "slices": slices})
+            self._outer_pipe.send(("_swarm_ask_only", *asked))
             self.check_download.last_gap = None  # set by the check if it refuses this donor's state
             try:
                 with self.check_download.watching():
@@ -384,6 +453,17 @@ class _SettledState:
             if refused is None:
                 self.answered_by = name if self.donor_answered else None
                 return result
+            if helpers:
+                until = time.monotonic() + REFUSE_FOR
+                self.unhelpful.update({h.to_base58(): until for h in helpers})
+                log.info(
+                    "A state put together from the slices of %d donors was refused (%s); asking %s alone",
+                    len(helpers) + 1,
+                    refused,
+                    name,
+                )
+                tries.insert(0, (donor, epoch, False))
+                continue
             self.refused_donors[name] = time.monotonic() + REFUSE_FOR
             gap, suspects = self.check_download.last_gap, robust.suspects()
             if gap is not None and suspects is not None and self.bans_bad_donors:
@@ -392,42 +472,136 @@ class _SettledState:
                 self.on_refused(name, refused)
         return result
 
-    async def _swarm_ask_only(self: Any, donor: bytes | None) -> None:
-        """Item 23, in the averager process: the next downloads ask only ``donor`` (None: any)."""
+    async def _swarm_ask_only(
+        self: Any, donor: bytes | None, helpers: list[bytes] = (), slices: list[tuple[int, int]] = ()
+    ) -> None:
+        """Item 23, in the averager process: the next downloads ask only ``donor`` (None: any); item 31: with
+        ``helpers``, ``donor`` sends the first of ``slices`` and each helper one of the others."""
         self._swarm_only_donor = donor
+        self._swarm_helpers, self._swarm_slices = list(helpers), [tuple(s) for s in slices]
 
-    async def _load_state_from_peers(self: Any, future: Any, timeout: float | None = None) -> None:
-        """hivemind's download (averager.py:684-736), from the one donor that ``_swarm_ask_only`` named if
-        any (item 23): the same stream and parts, one peer. Runs in the averager process."""
-        only = self._swarm_only_donor
-        if only is None:
-            return await super()._load_state_from_peers(future, timeout=timeout)
+    async def rpc_download_state_part(self: Any, request: Any, context: Any) -> Any:
+        """Item 31: the tensors ``start`` to ``stop`` (a msgpack dict in ``request.value``) of the state that
+        ``rpc_download_state`` would send now, in the same stream format, the metadata (with its epoch) on the
+        first message; an empty slice sends the metadata alone. Runs in the averager process; its annotations
+        are set by :func:`state_averager_class` (hivemind registers a handler by them)."""
+        from hivemind.compression import CompressionInfo
+        from hivemind.proto import averaging_pb2
+        from hivemind.utils.streaming import split_for_streaming
+
+        if not self.allow_state_sharing:
+            return  # as rpc_download_state: the downloader asks another donor
+        try:
+            asked = self.serializer.loads(request.value)
+            start, stop = int(asked["start"]), int(asked["stop"])
+        except Exception:  # a malformed request
+            return
+        metadata, tensors, infos = await self._get_current_state_from_host_process()
+        if not metadata or not 0 <= start <= stop:
+            return
+        if infos is None:
+            infos = [CompressionInfo.from_tensor(tensor, key=i) for i, tensor in enumerate(tensors)]
+        for tensor, info in zip(tensors[start:stop], infos[start:stop], strict=True):
+            compressed = self.state_compression.compress(tensor, info, allow_inplace=False)
+            for part in split_for_streaming(compressed):
+                yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata or b"")
+                metadata = None
+        if metadata:
+            yield averaging_pb2.DownloadData(metadata=metadata)
+
+    async def _swarm_fetch(
+        self: Any, peer: Any, timeout: float | None, part: tuple[int, int] | None = None
+    ) -> Any:
+        """(metadata, tensors) from ``peer``: its whole state (hivemind's ``rpc_download_state``, read as
+        averager.py:684-736 reads it), or the slice ``part`` of it (item 31); None if it sent no metadata."""
+        from google.protobuf import wrappers_pb2
         from hivemind.compression import deserialize_torch_tensor
-        from hivemind.p2p import PeerID
         from hivemind.proto import averaging_pb2
         from hivemind.utils.asyncio import aiter_with_timeout
         from hivemind.utils.streaming import combine_from_streaming
+
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        if part is None:
+            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        else:
+            asked = self.serializer.dumps(dict(start=part[0], stop=part[1]))
+            stream = await stub.rpc_download_state_part(wrappers_pb2.BytesValue(value=asked))
+        metadata, parts, tensors = None, [], []
+        async for message in aiter_with_timeout(stream, timeout=timeout):
+            if message.metadata:
+                metadata = self.serializer.loads(message.metadata)
+            if message.tensor_part.dtype and parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            if message.tensor_part.dtype or parts:
+                parts.append(message.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        return (metadata, tensors) if metadata else None
+
+    async def _swarm_fetch_slices(self: Any, donor: Any, timeout: float | None) -> Any:
+        """Item 31: ``donor``'s state put together from slices that ``donor`` and the helpers send at once,
+        or None. A slice that did not come whole, or came with another epoch than ``donor``'s (a helper that
+        has stepped on, or not yet), is asked of ``donor`` again; None if ``donor``'s own slice failed or its
+        epoch changed in between (the caller downloads the whole state from it instead)."""
+        from hivemind.p2p import PeerID
+
+        slices = self._swarm_slices
+
+        async def fetch(peer: Any, part: tuple[int, int]) -> Any:
+            try:
+                got = await self._swarm_fetch(peer, timeout, part)
+            except Exception as exc:  # a helper without this RPC (an older peer), gone, or too slow
+                log.debug("Could not download a slice of the state from %s: %r", peer, exc)
+                return None
+            ok = got is not None and isinstance(got[0], dict) and len(got[1]) == part[1] - part[0]
+            return got if ok else None
+
+        peers = [donor, *(PeerID(h) for h in self._swarm_helpers)][: len(slices)]
+        got = list(await asyncio.gather(*(fetch(p, s) for p, s in zip(peers, slices, strict=True))))
+        if got[0] is None:
+            return None
+        epoch = got[0][0].get("epoch")
+        for i, part in enumerate(slices[: len(peers)]):
+            if got[i] is None or got[i][0].get("epoch") != epoch:
+                log.debug("A slice of the state from %s did not fit; asking %s for it", peers[i], donor)
+                got[i] = await fetch(donor, part)
+                if got[i] is None or got[i][0].get("epoch") != epoch:
+                    return None
+        return got[0][0], [t for _, tensors in got for t in tensors]
+
+    async def _load_state_from_peers(self: Any, future: Any, timeout: float | None = None) -> None:
+        """hivemind's download (averager.py:684-736), from the one donor that ``_swarm_ask_only`` named if
+        any (item 23): the same stream and parts, one peer; with helpers named too, in slices from several
+        donors at once (item 31), and whole from the donor if that fails. Runs in the averager process."""
+        only = self._swarm_only_donor
+        if only is None:
+            return await super()._load_state_from_peers(future, timeout=timeout)
+        from hivemind.p2p import PeerID
 
         if timeout is not None:  # as hivemind: a part's timeout, not the whole download's
             timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
         peer = PeerID(only)
         try:
-            started = time.monotonic()
-            stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-            metadata, parts, tensors = None, [], []
-            async for message in aiter_with_timeout(stream, timeout=timeout):
-                if message.metadata:
-                    metadata = self.serializer.loads(message.metadata)
-                if message.tensor_part.dtype and parts:
-                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                    parts = []
-                parts.append(message.tensor_part)
-            if parts:
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-            if metadata:
-                log.info("Downloaded the state from %s in %.3f s", peer, time.monotonic() - started)
-                future.set_result((metadata, tensors))
+            started, loaded = time.monotonic(), None
+            if len(self._swarm_slices) > 1:
+                loaded = await self._swarm_fetch_slices(peer, timeout)
+                if loaded is not None:
+                    log.info(
+                        "Downloaded the state from %s and %d other donors at once in %.3f s",
+                        peer,
+                        len(self._swarm_slices) - 1,
+                        time.monotonic() - started,
+                    )
+                else:
+                    log.info("The state did not come in slices from %d donors; asking %s for all of it",
+                             len(self._swarm_slices), peer)  # fmt: skip
+            if loaded is None:
+                loaded = await self._swarm_fetch(peer, timeout)
+                if loaded is not None:
+                    log.info("Downloaded the state from %s in %.3f s", peer, time.monotonic() - started)
+            if loaded is not None:
+                future.set_result(loaded)
         except Exception as exc:
             log.info("Could not download the state from %s: %r", peer, exc)
         finally:
@@ -619,9 +793,23 @@ def _receiving(averager: type) -> type:
 def state_averager_class(base: type) -> type:
     """``base`` (hivemind's TrainingStateAverager) with every change of the module docstring; it takes one
     more keyword argument, ``find_group_within`` (item 12)."""
+    from typing import AsyncIterator  # noqa: UP035 hivemind reads the stream from typing's alias (servicer.py:154)
+
+    from google.protobuf import wrappers_pb2
+    from hivemind.p2p import P2PContext
+    from hivemind.proto import averaging_pb2
+
     (averager,) = base.__bases__
     bases = (_SettledState, PacksParts, base, _receiving(averager))
-    return type(base.__name__, bases, {"__module__": __name__})
+    # hivemind registers a handler by its annotations (p2p/servicer.py:49-85) and keeps the handlers it found
+    # on the class it first collected them for: this class collects its own, rpc_download_state_part included
+    _SettledState.rpc_download_state_part.__annotations__ = {
+        "request": wrappers_pb2.BytesValue,
+        "context": P2PContext,
+        "return": AsyncIterator[averaging_pb2.DownloadData],
+    }
+    namespace = {"__module__": __name__, "_rpc_handlers": None, "_stub_type": None}
+    return type(base.__name__, bases, namespace)
 
 
 def lock_updates(state_averager: Any, optimizer: torch.optim.Optimizer) -> list[Any]:

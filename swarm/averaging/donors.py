@@ -217,6 +217,24 @@ class DonorCheck:
             f"global epoch {epoch} (by {gap:.2g} of its norm or more; {len(same)} hold the downloaded one)"
         )
 
+    def agreeing(self, donor: str, others: list[str]) -> list[str]:
+        """Of ``others`` (PeerIDs, base58), those whose records published, at the newest epoch that the
+        record of ``donor`` published too, a state within ``NEAR`` of the donor's: the helpers that may send
+        slices of its download (docs/hivemind-patches.md item 31). DiLoCo's peers hold their own groups'
+        anchors between state rounds (5 peers of the volunteers lab held 2-3 states at one epoch), and a
+        state put together from slices of two of them would be near neither. A peer with no such record, or
+        under the donor's invite, is left out."""
+        with self._lock:
+            mine = self.voters.get(donor, donor)
+            held = {epoch: votes[mine] for epoch, votes in self.sketches.items() if mine in votes}
+            agree = []
+            for peer in others:
+                theirs = self.voters.get(peer, peer)
+                common = [e for e in held if theirs != mine and theirs in self.sketches[e]]
+                if common and sketch_distance(held[max(common)], self.sketches[max(common)][theirs]) <= NEAR:
+                    agree.append(peer)
+        return agree
+
     def astray(self, epoch: int, sketch: list[float]) -> str | None:
         """Why this peer's own state of global ``epoch`` (its sketch ``sketch``) is the one astray, or None.
 

@@ -381,9 +381,12 @@ class _SettledState:
     def _helpers(self: Any, donor: Any, epoch: float, ranked: list[tuple[Any, float]]) -> list[Any]:
         """Item 31: the donors (in ``ranked``'s order) that send slices of ``donor``'s download with it: at
         most ``download_donors - 1``, each declaring ``donor``'s epoch or up to ``HELPER_EPOCHS_BEHIND``
-        before it, none that helped a download refused lately."""
+        before it and publishing the state that ``donor`` published at their newest common epoch
+        (``check_download.agreeing``), none that helped a download refused lately."""
         now = time.monotonic()
         self.unhelpful = {p: t for p, t in self.unhelpful.items() if t > now}
+        if self.download_donors <= 1:
+            return []
         helpers = [
             peer
             for peer, declared in ranked
@@ -391,7 +394,9 @@ class _SettledState:
             and epoch - HELPER_EPOCHS_BEHIND <= declared <= epoch
             and peer.to_base58() not in self.unhelpful
         ]
-        return helpers[: max(0, self.download_donors - 1)]
+        # only peers that published the donor's state at their newest common epoch (DiLoCo's groups differ)
+        agree = set(self.check_download.agreeing(donor.to_base58(), [h.to_base58() for h in helpers]))
+        return [h for h in helpers if h.to_base58() in agree][: self.download_donors - 1]
 
     def _slices(self: Any, count: int) -> list[tuple[int, int]]:
         """Item 31: this peer's state (the tensors that ``get_current_state`` lists: parameters, extras, the
@@ -435,6 +440,8 @@ class _SettledState:
         at once, so that only the state it sends itself is held against it."""
         result = None
         ranked = self._ranked_donors()
+        if self.download_donors > 1 and len(ranked) > 1:
+            self.check_download.read()  # which donors publish one state: the helpers' choice reads it
         tries = [(peer, epoch, True) for peer, epoch in ranked[:DONORS_TRIED]]
         while tries:
             donor, epoch, helped = tries.pop(0)

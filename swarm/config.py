@@ -223,9 +223,9 @@ class SwarmConfig:
     """Seconds to wait for a peer to send the swarm's state to a newcomer."""
     download_donors: int = 4
     """A newcomer (or a peer that fell behind) downloads the swarm's state from up to this many donors at
-    once, each sending a slice, where they hold the same global epoch: a home link downloads several times
-    faster than one donor uploads. The state put together is checked as a whole (``check_downloads``); 1
-    takes it from one donor. A per-peer policy."""
+    once: the parameters from one, the optimizer's statistics in slices from the others at its global epoch
+    (a home link downloads several times faster than one donor uploads). With ``check_downloads`` only; the
+    state put together is judged as a whole; 1 takes it from one donor. A per-peer policy."""
     bootstrap_timeout: float = 20.0
     """Seconds to wait for the initial peers to answer before giving up with an error."""
     metrics_expiration: float = 60.0

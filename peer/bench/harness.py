@@ -268,8 +268,20 @@ def swarm(
     finally:
         for p in started:
             p.stop()
-    # a newcomer told to leave while it still started (imports, under a small CPU budget) dies of SIGTERM
-    failed = [code for code in codes if code and not (churn is not None and code == -signal.SIGTERM)]
+    # a newcomer told to leave while it still started (imports, under a small CPU budget) dies of SIGTERM;
+    # one that did not leave within the waits above was SIGKILLed: said, and not counted as a failed run
+    hung = [
+        p.name
+        for p, code in zip(live, codes, strict=True)
+        if churn is not None and code == -signal.SIGKILL and not _trained(p)
+    ]
+    if hung:
+        print(f"{run}: {', '.join(hung)}, still starting when told to leave, had to be killed", flush=True)
+    failed = [
+        code
+        for p, code in zip(live, codes, strict=True)
+        if code and not (churn is not None and (code == -signal.SIGTERM or p.name in hung))
+    ]
     if failed:
         raise RuntimeError(f"{run}: a peer failed (exit codes {codes}); logs in {bench.work}")
     if churn is None:
@@ -279,6 +291,11 @@ def swarm(
         with contextlib.suppress(FileNotFoundError):
             found.append({**summary(bench.work, run, c.name), "incarnation": dataclasses.asdict(c)})
     return found
+
+
+def _trained(p: Peer) -> bool:
+    """Whether ``p`` had begun to train (a validation or a progress line)."""
+    return any("Validation at global epoch" in line or "| epoch " in line for line in list(p.lines))
 
 
 def _kill(p: Peer) -> None:

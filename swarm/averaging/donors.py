@@ -219,11 +219,9 @@ class DonorCheck:
 
     def agreeing(self, donor: str, others: list[str]) -> list[str]:
         """Of ``others`` (PeerIDs, base58), those whose records published, at the newest epoch that the
-        record of ``donor`` published too, a state within ``NEAR`` of the donor's: the helpers that may send
-        slices of its download (docs/hivemind-patches.md item 31). DiLoCo's peers hold their own groups'
-        anchors between state rounds (5 peers of the volunteers lab held 2-3 states at one epoch), and a
-        state put together from slices of two of them would be near neither. A peer with no such record, or
-        under the donor's invite, is left out."""
+        record of ``donor`` published too, a state within ``NEAR`` of the donor's: the helpers asked first
+        for slices of its download (docs/hivemind-patches.md item 31), whose optimizer statistics are the
+        donor's too. A peer with no such record, or under the donor's invite, is not among them."""
         with self._lock:
             mine = self.voters.get(donor, donor)
             held = {epoch: votes[mine] for epoch, votes in self.sketches.items() if mine in votes}

@@ -39,6 +39,11 @@ member of a state round takes the largest epoch it gathered, whatever its size.
   state_averager.py:667-674) and neither the screen nor the check undid it; hivemind applies it, or keeps
   this peer's own state where the donor's is older. Where this peer chose the donor (item 23) it notes which
   (``answered_by``); :meth:`declared_donors` says which peers declare themselves donors.
+- item 31: hivemind takes a download from one donor, as slow as that donor's upload. With the check and
+  ``download_donors`` > 1, the donor sends the parameters and other donors at its epoch send the extras and
+  the optimizer's statistics, in slices at the same time (``rpc_download_state_part``); a slice that fails or
+  comes from another epoch is asked of the donor, and a state put together that the screen or the check
+  refuses is asked of the donor alone.
 
 :func:`install` makes hivemind.Optimizer build this class (it reads the module-level name
 ``TrainingStateAverager`` of optim/optimizer.py:284). The class keeps hivemind's name: the p2p handlers'
@@ -379,10 +384,11 @@ class _SettledState:
         return [(peer, key[0]) for key, peer in sorted(ranked, key=lambda x: x[0], reverse=True)]
 
     def _helpers(self: Any, donor: Any, epoch: float, ranked: list[tuple[Any, float]]) -> list[Any]:
-        """Item 31: the donors (in ``ranked``'s order) that send slices of ``donor``'s download with it: at
-        most ``download_donors - 1``, each declaring ``donor``'s epoch or up to ``HELPER_EPOCHS_BEHIND``
-        before it and publishing the state that ``donor`` published at their newest common epoch
-        (``check_download.agreeing``), none that helped a download refused lately."""
+        """Item 31: the donors that send slices of ``donor``'s download with it: at most
+        ``download_donors - 1``, each declaring ``donor``'s epoch or up to ``HELPER_EPOCHS_BEHIND`` before it,
+        none that helped a download refused lately; first those whose records published the state that
+        ``donor`` published at their newest common epoch (``check_download.agreeing``: their optimizer
+        statistics are the donor's too), then in ``ranked``'s order."""
         now = time.monotonic()
         self.unhelpful = {p: t for p, t in self.unhelpful.items() if t > now}
         if self.download_donors <= 1:
@@ -394,14 +400,18 @@ class _SettledState:
             and epoch - HELPER_EPOCHS_BEHIND <= declared <= epoch
             and peer.to_base58() not in self.unhelpful
         ]
-        # only peers that published the donor's state at their newest common epoch (DiLoCo's groups differ)
         agree = set(self.check_download.agreeing(donor.to_base58(), [h.to_base58() for h in helpers]))
-        return [h for h in helpers if h.to_base58() in agree][: self.download_donors - 1]
+        helpers.sort(key=lambda h: h.to_base58() not in agree)  # stable: ranked's order within each
+        return helpers[: self.download_donors - 1]
 
     def _slices(self: Any, count: int) -> list[tuple[int, int]]:
         """Item 31: this peer's state (the tensors that ``get_current_state`` lists: parameters, extras, the
-        optimizer's) cut into at most ``count`` runs of whole tensors, each about as many bytes on the wire
-        (``state_compression``'s estimate) as the others. A donor of the same model lists the same tensors."""
+        optimizer's) cut into at most ``count`` runs of whole tensors of about equal bytes on the wire
+        (``state_compression``'s estimate). The first run, the donor's, holds every parameter (the check
+        judges the parameters, and they are the donor's own), and more tensors up to its share; the
+        helpers' runs hold the rest: the extras and the optimizer's statistics (DiLoCo's outer momentum and
+        inner moments: 6 of the 7 bytes per parameter of a DiLoCo state with int8 or fp16). A donor of the
+        same model lists the same tensors."""
         from hivemind.compression import CompressionInfo, TensorRole
         from hivemind.optim.state_averager import dump_optimizer_state
 
@@ -416,11 +426,16 @@ class _SettledState:
                 * self.state_compression.estimate_compression_ratio(CompressionInfo.from_tensor(t, role=role))
                 for t, role in zip(tensors, roles, strict=True)
             ]  # fmt: skip
-        total, bounds = sum(sizes), [0]
-        done = 0.0
-        for i, size in enumerate(sizes[:-1]):
-            done += size
-            if len(bounds) < count and done >= total * len(bounds) / count:
+        share = sum(sizes) / max(count, 1)
+        first, done = len(params), sum(sizes[: len(params)])
+        while first < len(sizes) and done + sizes[first] <= share:
+            done += sizes[first]
+            first += 1
+        bounds, rest, done = [0, first], sum(sizes[first:]), 0.0
+        helpers = count - 1
+        for i in range(first, len(sizes) - 1):
+            done += sizes[i]
+            if len(bounds) - 1 < helpers and done >= rest * (len(bounds) - 1) / helpers:
                 bounds.append(i + 1)
         bounds.append(len(sizes))
         return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]

@@ -1243,146 +1243,142 @@ def test_in_an_invite_only_swarm_a_download_check_counts_one_vote_per_invite(req
     assert by_invite.checked == 1 and by_invite.refused == 1
 
 
-def _layered_nets(count: int, offsets: list[float]) -> list[torch.nn.Module]:
-    """``count`` nets of three Linear layers (six tensors, so a state splits into three slices of two), the
-    first one's parameters in every net, each net's shifted by its ``offsets`` entry (0 for the first)."""
+def _layered_nets(count: int) -> list[torch.nn.Module]:
+    """``count`` nets of three Linear layers (six tensors), all with the parameters of the first."""
     torch.manual_seed(0)
     nets = [torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3))) for _ in range(count)]
     with torch.no_grad():
-        for net, offset in zip(nets[1:], offsets, strict=True):
+        for net in nets[1:]:
             for p, q in zip(net.parameters(), nets[0].parameters(), strict=True):
-                p.copy_(q + offset)
+                p.copy_(q)
     return nets
 
 
-def _helping(
-    request,
-    donors: int,
-    states: list[list[torch.Tensor]],
-    priorities: list[int],
-    votes: int = 3,
-    published: list[list[torch.Tensor]] | None = None,
-):
-    """A newcomer A (``download_donors`` = ``donors``, a DonorCheck) and one donor per entry of ``states``
-    (its parameters; each at local epoch 5, declaring its ``priorities`` entry, and publishing the sketch of
-    its state, or of its ``published`` entry), with ``votes`` more records of epoch 5 that hold ``states[0]``
-    published; returns (A, the donors, A's net, what A was told of refused donors)."""
+def _helping(request, donors: list[dict], download_donors: int = 3, votes: int = 3):
+    """A newcomer A (``download_donors``, a DonorCheck, a screen; its parameters 0, its three extra tensors of
+    64 numbers 1) and one donor per entry of ``donors``: a dict with its ``params`` (the six tensors), the
+    value of its ``extras``, its ``epoch`` (5 if not given), the ``priority`` it declares, the parameters it
+    ``publishes`` in its metrics record (its own if not given) and its class (``plain``: hivemind's own),
+    with ``votes`` more records of epoch 5 that hold the first donor's parameters published; returns (A, the
+    donors, A's net, A's extras, what A was told of refused donors)."""
     from swarm.averaging.donors import DonorCheck
 
     prefix, run = "pytest-sa-slices", "pytest-sa-slices-run"
-    nodes = _nodes(request, True, 1 + len(states))
-    nets = _layered_nets(1 + len(states), [0.0] * len(states))
+    nodes = _nodes(request, True, 1 + len(donors))
+    nets = _layered_nets(1 + len(donors))
+    extras = [tuple(torch.full((64,), float(d["extras"])) for _ in range(3)) for d in donors]
+    extras.insert(0, tuple(torch.ones(64) for _ in range(3)))
     with torch.no_grad():
-        for net, state in zip(nets[1:], states, strict=True):
-            for p, value in zip(net.parameters(), state, strict=True):
+        for net, donor in zip(nets[1:], donors, strict=True):
+            for p, value in zip(net.parameters(), donor["params"], strict=True):
                 p.copy_(value)
         for p in nets[0].parameters():
             p.zero_()
-    a, *donors_built = _averagers(_class(True), nodes, nets, prefix)
-    refused: list = []
-    a.screen, a.on_rejected = RoundScreen(10.0), lambda *args: refused.append(("screen", *args))
-    a.check_download = DonorCheck(nodes[0], run, a.peer_id.to_base58())
-    a.on_refused = lambda donor, reason: refused.append((donor, reason))
-    a.download_donors = donors
+    sgd = partial(torch.optim.SGD, lr=0.1)
+    classes = [_class(True)] + [TrainingStateAverager if d.get("plain") else _class(True) for d in donors]
+    built: list = []
     try:
-        for donor, priority in zip(donors_built, priorities, strict=True):
-            donor.local_epoch, donor.state_sharing_priority = 5, priority
+        for cls, node, net, extra in zip(classes, nodes, nets, extras, strict=True):
+            built.append(
+                cls(dht=node, params=net.parameters(), prefix=prefix, optimizer=sgd, start=True,
+                    extra_tensors=extra)
+            )  # fmt: skip
+        a = built[0]
+        refused: list = []
+        a.screen, a.on_rejected = RoundScreen(10.0), lambda *args: refused.append(("screen", *args))
+        a.check_download = DonorCheck(nodes[0], run, a.peer_id.to_base58())
+        a.on_refused = lambda donor, reason: refused.append((donor, reason))
+        a.download_donors = download_donors
+        for averager, donor in zip(built[1:], donors, strict=True):
+            averager.local_epoch, averager.state_sharing_priority = donor.get("epoch", 5), donor["priority"]
         for i in range(votes):
-            _publish_sketch(nodes[1], run, f"honest-{i}", f"honest-{i}", 5, states[0])
-        for i, (donor, state) in enumerate(zip(donors_built, published or states, strict=True)):
-            _publish_sketch(nodes[1], run, f"donor-{i}", donor.peer_id.to_base58(), 5, state)
-        expected = {d.peer_id.to_bytes(): p for d, p in zip(donors_built, priorities, strict=True)}
+            _publish_sketch(nodes[1], run, f"honest-{i}", f"honest-{i}", 5, donors[0]["params"])
+        for i, (averager, donor) in enumerate(zip(built[1:], donors, strict=True)):
+            state = donor.get("publishes", donor["params"])
+            _publish_sketch(nodes[1], run, f"donor-{i}", averager.peer_id.to_base58(), 5, state)
+        expected = {b.peer_id.to_bytes(): d["priority"] for b, d in zip(built[1:], donors, strict=True)}
         assert wait_until(lambda: expected.items() <= _priorities(nodes[0], prefix).items(), timeout=30)
     except BaseException:
-        _shutdown(a, *donors_built)
+        _shutdown(*built)
         raise
-    return a, donors_built, nets[0], refused
+    return a, built[1:], nets[0], extras[0], refused
 
 
-def test_a_download_comes_in_slices_from_the_donors_that_hold_the_donors_state(request):
-    """Item 31. Donors B and C hold one state at epoch 5, each shifted by its own 1e-5 (honest peers of one
-    epoch differ that much), and declare epoch 6; E holds another (0.5 further on every number: a DiLoCo peer
-    of another group) and declares 5. A downloads with ``download_donors`` 3: each of its six tensors is B's
-    or C's, both sent a run of them (a slice each); E, whose record publishes another state than theirs, sends
-    none. The state put together is checked as a whole and kept (with ``download_donors`` 1, the other tests
-    here, every tensor comes from one donor)."""
-    base = [p.detach().clone() for p in _layered_nets(1, [])[0].parameters()]
-    states = [[t + shift for t in base] for shift in (0.0, 1e-5, 0.5)]
-    a, built, net, refused = _helping(request, 3, states, [6, 6, 5])
+def _values(extras: tuple) -> list[float]:
+    return [float(t[0]) for t in extras]
+
+
+def test_a_download_takes_the_parameters_from_its_donor_and_the_rest_in_slices_from_others(request):
+    """Item 31. Donors B and C hold one state at epoch 5 (C's parameters 1e-5 from B's: honest peers of one
+    epoch differ that much) and declare epoch 6; E holds other parameters (0.5 further on every number: a
+    DiLoCo peer of another group) and declares 5. Their extra tensors (DiLoCo's inner moments) are 2, 3 and
+    4. A downloads with ``download_donors`` 3: every parameter comes from the donor asked (B or C, the newest
+    epoch), the six of them in its slice; the three extras come in slices from the two others: first the
+    one whose record published the donor's state, then E. The parameters are checked and kept."""
+    base = [p.detach().clone() for p in _layered_nets(1)[0].parameters()]
+    donors = [
+        dict(params=base, extras=2, priority=6),
+        dict(params=[t + 1e-5 for t in base], extras=3, priority=6),
+        dict(params=[t + 0.5 for t in base], extras=4, priority=5),
+    ]
+    a, built, net, extras, refused = _helping(request, donors)
     try:
         a.load_state_from_peers(timeout=5)
         assert a.local_epoch == 5 and not refused, refused
-        sent_by = []
-        for i, p in enumerate(net.parameters()):
-            (who,) = [k for k, state in enumerate(states) if torch.equal(p.detach(), state[i])]
-            sent_by.append(who)
-        runs = [k for i, k in enumerate(sent_by) if i == 0 or sent_by[i - 1] != k]
-        assert sorted(runs) == [0, 1], sent_by  # a run of whole tensors from each of B and C
+        held = [p.detach() for p in net.parameters()]
+
+        def holds(k: int) -> bool:
+            return all(torch.equal(p, q) for p, q in zip(held, donors[k]["params"], strict=True))
+
+        (asked,) = [k for k in (0, 1) if holds(k)]
+        other = 1 - asked
+        assert _values(extras) == [donors[other]["extras"]] * 2 + [4.0], _values(extras)
         assert a.check_download.checked == 1 and a.check_download.refused == 0
     finally:
         _shutdown(a, *built)
 
 
-def test_a_state_put_together_from_a_bad_slice_is_refused_and_the_donor_asked_alone(request):
-    """Item 31. Donor B declares epoch 6(it is asked first), D epoch 5 (a helper); both hold epoch 5, and D's
-    parameters are random numbers of the honest norm, while its record publishes B's state (a liar). The
-    slices put together are refused by the check (4 honest records against); D then helps no download for
-    REFUSE_FOR seconds, and B is asked alone at once: A holds B's state, and no donor counts as refused (B's
-    own state was good, and in a download of three slices, which helper sent the bad one would not
-    be known)."""
-    honest = [p.detach().clone() for p in _layered_nets(1, [])[0].parameters()]
-    torch.manual_seed(1)
-    noise = [torch.randn_like(t) for t in honest]
-    bad = [n * (t.norm() / n.norm()) for n, t in zip(noise, honest, strict=True)]
-    a, (b, d), net, refused = _helping(request, 3, [honest, bad], [6, 5], published=[honest, honest])
+def test_a_download_with_an_outsized_slice_is_refused_and_the_donor_asked_alone(request):
+    """Item 31. Donor B declares epoch 6 (it is asked first), D epoch 5 (a helper); both hold B's parameters
+    at epoch 5, and D's extra tensors are 10^4 (B's: 2). The screen rejects the state put together; D then
+    helps no download for REFUSE_FOR seconds, and B is asked alone at once: A holds B's state, and no donor
+    counts as refused (B's own state was good, and with more helpers, which one sent the bad slice would
+    not be known)."""
+    honest = [p.detach().clone() for p in _layered_nets(1)[0].parameters()]
+    donors = [dict(params=honest, extras=2, priority=6), dict(params=honest, extras=1e4, priority=5)]
+    a, (b, d), net, extras, refused = _helping(request, donors)
     try:
         a.load_state_from_peers(timeout=5)
         assert a.local_epoch == 5
         assert all(torch.equal(p.detach(), t) for p, t in zip(net.parameters(), honest, strict=True))
+        assert _values(extras) == [2.0] * 3, _values(extras)
         assert not refused and not a.refused_donors, (refused, a.refused_donors)
         assert set(a.unhelpful) == {d.peer_id.to_base58()}, a.unhelpful
-        assert a.check_download.refused == 1 and a.check_download.checked == 1
-        assert a._helpers(b.peer_id, 5.0, a._ranked_donors()) == []  # it helps no download for a while
+        assert a.check_download.checked == 1 and a.check_download.refused == 0
+        assert a._helpers(b.peer_id, 6.0, a._ranked_donors()) == []  # it helps no download for a while
     finally:
         _shutdown(a, b, d)
 
 
 def test_a_helper_at_another_epoch_or_without_the_slice_rpc_leaves_its_slice_to_the_donor(request):
-    """Item 31. B (declaring epoch 6) holds epoch 5; helper C holds epoch 4 (its declaration lags), and helper
-    D is hivemind's own state averager (a peer without the slice RPC). A with ``download_donors`` 3 asks B
-    for the slices that C and D could not send: A holds B's state at epoch 5, nobody is refused."""
-    honest = [p.detach().clone() for p in _layered_nets(1, [])[0].parameters()]
-    other = [t + 0.5 for t in honest]
-    prefix, run = "pytest-sa-slices-mixed", "pytest-sa-slices-mixed-run"
-    from swarm.averaging.donors import DonorCheck
-
-    nodes = _nodes(request, True, 4)
-    nets = _layered_nets(4, [0.0, 0.0, 0.0])
-    with torch.no_grad():
-        for net, state in zip(nets[1:], (honest, other, other), strict=True):
-            for p, value in zip(net.parameters(), state, strict=True):
-                p.copy_(value)
-        for p in nets[0].parameters():
-            p.zero_()
-    a, b, c, d = _averagers([_class(True)] * 3 + [TrainingStateAverager], nodes, nets, prefix)
-    refused: list = []
-    a.check_download = DonorCheck(nodes[0], run, a.peer_id.to_base58())
-    a.on_refused = lambda donor, reason: refused.append((donor, reason))
-    a.download_donors = 3
+    """Item 31. B (declaring epoch 6) holds epoch 5 and extras 2; helper C holds epoch 4 (its declaration
+    lags; extras 3), and helper D is hivemind's own state averager (a peer without the slice RPC; extras 4).
+    A with ``download_donors`` 3 asks B for the slices that C and D could not send: A holds B's state at epoch
+    5, nobody is refused."""
+    honest = [p.detach().clone() for p in _layered_nets(1)[0].parameters()]
+    donors = [
+        dict(params=honest, extras=2, priority=6),
+        dict(params=honest, extras=3, priority=5, epoch=4),
+        dict(params=honest, extras=4, priority=5, plain=True),
+    ]
+    a, (b, c, d), net, extras, refused = _helping(request, donors)
     try:
-        b.local_epoch, c.local_epoch, d.local_epoch = 5, 4, 5
-        b.state_sharing_priority, c.state_sharing_priority, d.state_sharing_priority = 6, 5, 5
-        for i in range(3):
-            _publish_sketch(nodes[1], run, f"honest-{i}", f"honest-{i}", 5, honest)
-        for name, donor in (("b", b), ("c", c), ("d", d)):  # C and D publish B's state: they are asked
-            _publish_sketch(nodes[1], run, name, donor.peer_id.to_base58(), 5, honest)
-        expected = {b.peer_id.to_bytes(): 6, c.peer_id.to_bytes(): 5, d.peer_id.to_bytes(): 5}
-        assert wait_until(lambda: expected.items() <= _priorities(nodes[0], prefix).items(), timeout=30)
         a.check_download.read()  # as a download does before it chooses helpers
-        assert a._helpers(b.peer_id, 6.0, a._ranked_donors()) != []
+        assert len(a._helpers(b.peer_id, 6.0, a._ranked_donors())) == 2
         a.load_state_from_peers(timeout=5)
         assert a.local_epoch == 5
-        assert all(torch.equal(p.detach(), t) for p, t in zip(nets[0].parameters(), honest, strict=True))
+        assert all(torch.equal(p.detach(), t) for p, t in zip(net.parameters(), honest, strict=True))
+        assert _values(extras) == [2.0] * 3, _values(extras)
         assert not refused and not a.unhelpful and a.check_download.checked == 1, (refused, a.unhelpful)
     finally:
         _shutdown(a, b, c, d)

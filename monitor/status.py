@@ -85,7 +85,7 @@ def collect(cfg: ExperimentConfig, timeout: float = 10.0) -> SwarmStatus:
             ) from None
         targets = [r.target_batch_size for r in status.records if r.target_batch_size]
         status.target_batch_size = max(targets) if targets else cfg.swarm.target_batch_size
-        verdict = None if cfg.swarm.client_mode else reach.check(dht)
+        verdict = None if cfg.swarm.client_mode else reach.check(dht, every=True)
         status.reachability = reachability(
             [str(a) for a in dht.get_visible_maddrs()], cfg.swarm.client_mode, verdict
         )

@@ -97,6 +97,44 @@ def test_a_peer_that_no_one_can_dial_switches_to_client_mode_and_says_why(caplog
         remove_stale_sockets(since=0, exclude_own=True, settle=1.0)
 
 
+async def _answer_late(_dht, node) -> None:
+    """Replace this node's dial-back handler by one that answers nothing for a minute (a peer on a small CPU
+    budget, a slow link)."""
+    import asyncio
+
+    async def late(request: BytesValue, context) -> BytesValue:
+        await asyncio.sleep(60.0)
+        return BytesValue(value=b"{}")
+
+    await node.p2p.remove_protobuf_handler(reach.HANDLER)
+    await node.p2p.add_protobuf_handler(reach.HANDLER, late, BytesValue)
+
+
+def test_the_first_peer_that_dials_back_settles_the_check():
+    """A newcomer that knows a peer that answers late and one that dials it back is reachable as soon as the
+    second answers: the late one is not waited for (its answer would have come only after the check's
+    timeout, as an error). ``swarm-peer status`` still waits for every answer (``every``)."""
+    nodes = []
+    try:
+        late = start_node(SwarmConfig(host_maddrs=LOOPBACK, run_id="reach-late"))
+        nodes.append(late)
+        late.dht.run_coroutine(_answer_late)
+        prompt = start_node(SwarmConfig(host_maddrs=LOOPBACK, run_id="reach-late"))
+        nodes.append(prompt)
+        entries = [str(n.dht.get_visible_maddrs()[0]) for n in (late, prompt)]
+        joined = SwarmConfig(host_maddrs=LOOPBACK, run_id="reach-late", initial_peers=tuple(entries))
+        newcomer = start_node(joined, check_reach=True)
+        nodes.append(newcomer)
+        assert not newcomer.client_mode
+        verdict = newcomer.reach
+        # the late one was not waited for: its call, cancelled, left no error (a timeout would have)
+        assert (verdict.asked, verdict.reached, verdict.errors) == (1, 1, []), verdict
+    finally:
+        for node in reversed(nodes):
+            node.stop()
+        remove_stale_sockets(since=0, exclude_own=True, settle=1.0)
+
+
 def _lab_unavailable() -> str | None:
     from peer.bench.netns import unavailable
 

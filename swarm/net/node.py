@@ -256,7 +256,7 @@ def start_node(
         return node
     node.reach = verdict
     if not verdict.unreachable:
-        log.info("Reachability: %s", verdict.describe())
+        log.info("Reachability: %s (%.1f s)", verdict.describe(), verdict.seconds)
         return node
     log.warning(
         "No peer could dial this machine (%s; %s): switching to client mode. This peer still trains and "

@@ -8,8 +8,9 @@ so it must run in client mode. Users rarely know which case they are in, so the 
    the DHT process). A caller sends the addresses it announces; the server starts a **fresh** p2p daemon
    (no listening address, no relay, so no existing connection or circuit can answer for the caller) and
    dials the caller's PeerID at those addresses, within :data:`DIAL_TIMEOUT` seconds.
-2. After joining, a new peer asks up to :data:`MAX_ASKED` of the peers it knows (:func:`check`). If some
-   answered and none could dial it, :func:`swarm.net.node.start_node` restarts its DHT in client mode and logs
+2. After joining, a new peer asks up to :data:`MAX_ASKED` of the peers it knows at once (:func:`check`); the
+   first that could dial it settles the check. If some answered and none could dial it,
+   :func:`swarm.net.node.start_node` restarts its DHT in client mode and logs
    one line that says why. If nobody could answer (an old version, or the first peer), nothing changes.
 
 Abuse: a dial-back makes the server open one connection to addresses of the caller's choosing. So a server
@@ -49,6 +50,7 @@ class Verdict:
     reached: int = 0  # of those, how many could dial us
     why_not: list[str] = field(default_factory=list)  # what the peers that could not dial us saw
     errors: list[str] = field(default_factory=list)  # one line per peer that could not answer
+    seconds: float = 0.0  # how long the check took
 
     @property
     def unreachable(self) -> bool:
@@ -128,7 +130,7 @@ async def serve(_dht: Any, node: Any) -> None:
     await node.p2p.add_protobuf_handler(HANDLER, _Server().handle, BytesValue)
 
 
-async def _ask(addresses: list[str], initial: list[str], _dht: Any, node: Any) -> Verdict:
+async def _ask(addresses: list[str], initial: list[str], every: bool, _dht: Any, node: Any) -> Verdict:
     from hivemind.p2p import PeerID
 
     verdict = Verdict(addresses=_dialable(addresses))
@@ -155,11 +157,24 @@ async def _ask(addresses: list[str], initial: list[str], _dht: Any, node: Any) -
         if not answer["reached"]:
             verdict.why_not.append(str(answer.get("why")))
 
-    await asyncio.gather(*(one(p) for p in peers))
+    # one peer that dialled this one settles it (reachable, whatever the others say); only a verdict of
+    # unreachable needs every answer: a small volunteer's start does not wait for its slowest groupmate
+    started, tasks = time.monotonic(), [asyncio.create_task(one(p)) for p in peers]
+    try:
+        for answered in asyncio.as_completed(tasks):
+            await answered
+            if verdict.reached and not every:
+                break
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    verdict.seconds = time.monotonic() - started
     return verdict
 
 
-def check(dht: Any) -> Verdict:
-    """Ask up to :data:`MAX_ASKED` known peers (the DHT's initial peers first) to dial its addresses."""
+def check(dht: Any, every: bool = False) -> Verdict:
+    """Ask up to :data:`MAX_ASKED` known peers (the DHT's initial peers first) to dial its addresses, until
+    one could (``every``: wait for every answer, as ``swarm-peer status`` does to show them all)."""
     addresses = [str(a) for a in dht.get_visible_maddrs()]
-    return dht.run_coroutine(partial(_ask, addresses, [str(m) for m in dht.initial_peers or ()]))
+    return dht.run_coroutine(partial(_ask, addresses, [str(m) for m in dht.initial_peers or ()], every))

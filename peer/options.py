@@ -255,7 +255,7 @@ def averaging_options(func: Callable) -> Callable:
                 type=click.IntRange(1),
                 default=None,
                 help="Download the swarm's state in slices from up to this many donors at once, checked "
-                "as a whole [4].",
+                "as a whole [1].",
             ),
             click.option(
                 "--judge-steps/--no-judge-steps",

@@ -221,11 +221,12 @@ class SwarmConfig:
     """DiLoCo: momentum of the outer Nesterov SGD (the paper's 0.9)."""
     load_state_timeout: float = 60.0
     """Seconds to wait for a peer to send the swarm's state to a newcomer."""
-    download_donors: int = 4
+    download_donors: int = 1
     """A newcomer (or a peer that fell behind) downloads the swarm's state from up to this many donors at
     once: the parameters from one, the optimizer's statistics in slices from the others at its global epoch
     (a home link downloads several times faster than one donor uploads). With ``check_downloads`` only; the
-    state put together is judged as a whole; 1 takes it from one donor. A per-peer policy."""
+    state put together is judged as a whole. 1 (the default) takes it from one donor: in the volunteers lab
+    under churn, 4 gave no better goodput (docs/benchmarks.md). A per-peer policy."""
     bootstrap_timeout: float = 20.0
     """Seconds to wait for the initial peers to answer before giving up with an error."""
     metrics_expiration: float = 60.0

@@ -181,7 +181,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         aggregation: str = "centered_clip",
         check_downloads: bool = True,
         judge_steps: bool = False,
-        download_donors: int = 4,
+        download_donors: int = 1,
         overlap_rounds: bool = False,
         match_early: bool = False,
         **optimizer_kwargs: Any,

@@ -22,6 +22,7 @@ checks at once, dials at most
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import time
@@ -39,6 +40,7 @@ MAX_ASKED = 3  # peers asked at once
 MAX_ADDRESSES = 4  # addresses dialled per check
 PER_PEER_PERIOD = 30.0  # seconds between two checks for the same PeerID
 MAX_CONCURRENT = 4  # dial-backs a server runs at once (each starts a p2p daemon for a few seconds)
+_PENDING: set = set()  # dial-backs and questions that outlive their caller (kept referenced until they end)
 
 
 @dataclass
@@ -114,7 +116,12 @@ class _Server:
             return _reply(False, "no TCP address to dial")
         async with self.slots:
             try:
-                reached, why = await _dial(caller, maddrs)
+                # shielded: a caller that gives up (its timeout, its process stopped) closes the stream, and
+                # hivemind cancels this handler; the dial must still end and shut its probe daemon down
+                dial = asyncio.ensure_future(_dial(caller, maddrs))
+                _PENDING.add(dial)
+                dial.add_done_callback(_PENDING.discard)
+                reached, why = await asyncio.shield(dial)
             except Exception as exc:  # our own probe daemon failed to start: we cannot judge
                 return _reply(None, f"probe failed: {type(exc).__name__}")
         log.debug("Dial-back to %s at %s: %s", caller, maddrs, "reached" if reached else why)
@@ -158,19 +165,20 @@ async def _ask(addresses: list[str], initial: list[str], every: bool, _dht: Any,
             verdict.why_not.append(str(answer.get("why")))
 
     # one peer that dialled this one settles it (reachable, whatever the others say); only a verdict of
-    # unreachable needs every answer: a small volunteer's start does not wait for its slowest groupmate
+    # unreachable needs every answer: a small volunteer's start does not wait for its slowest groupmate. The
+    # other questions are left to end by themselves (within DIAL_TIMEOUT + 5 s), not cancelled: a call given
+    # up closes its stream, and the asked peer's handler would be cancelled in the middle of its dial-back
     started, tasks = time.monotonic(), [asyncio.create_task(one(p)) for p in peers]
-    try:
-        for answered in asyncio.as_completed(tasks):
-            await answered
-            if verdict.reached and not every:
-                break
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    verdict.seconds = time.monotonic() - started
-    return verdict
+    for answered in asyncio.as_completed(tasks):
+        await answered
+        if verdict.reached and not every:
+            break
+    _PENDING.update(t for t in tasks if not t.done())
+    for task in tasks:
+        task.add_done_callback(_PENDING.discard)
+    settled = copy.deepcopy(verdict)  # the answers still to come do not change what was returned
+    settled.seconds = time.monotonic() - started
+    return settled
 
 
 def check(dht: Any, every: bool = False) -> Verdict:

@@ -264,6 +264,12 @@ def swarm(
         for p in live:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        stuck = [p for p in live if p.proc.poll() is None]
+        for p in stuck:  # where it hangs, in its log: a peer prints every thread's stack on SIGUSR1 (cli.py)
+            with contextlib.suppress(ProcessLookupError):
+                p.proc.send_signal(signal.SIGUSR1)
+        if stuck:
+            time.sleep(1.0)
         codes = [p.stop(grace=15) for p in live]
     finally:
         for p in started:
@@ -273,7 +279,7 @@ def swarm(
     hung = [
         p.name
         for p, code in zip(live, codes, strict=True)
-        if churn is not None and code == -signal.SIGKILL and not _trained(p)
+        if churn is not None and code in (-signal.SIGKILL, -signal.SIGUSR1) and not _trained(p)
     ]
     if hung:
         print(f"{run}: {', '.join(hung)}, still starting when told to leave, had to be killed", flush=True)

@@ -584,7 +584,8 @@ class _SettledState:
         if got[0] is None:
             return None
         epoch = got[0][0].get("epoch")
-        for i, part in enumerate(slices[: len(peers)]):
+        for i in range(1, len(peers)):  # the donor's own slice fits by definition
+            part = slices[i]
             if got[i] is None or got[i][0].get("epoch") != epoch:
                 log.debug("A slice of the state from %s did not fit; asking %s for it", peers[i], donor)
                 got[i] = await fetch(donor, part)

@@ -109,21 +109,27 @@ def _dht_nodes(started: float, cls: type = hivemind.DHT):
     nodes = [first]
 
     def more(n: int) -> list[hivemind.DHT]:
-        while len(nodes) < n:
-            nodes.append(
-                cls(
-                    start=True,
-                    host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                    initial_peers=[str(a) for a in first.get_visible_maddrs()],
-                )
-            )
+        # started side by side: each waits mostly for its daemon and its first contact with ``first``
+        initial_peers = [str(a) for a in first.get_visible_maddrs()]
+        new = [
+            cls(start=False, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial_peers)
+            for _ in range(n - len(nodes))
+        ]
+        for node in new:
+            node.run_in_background(await_ready=False)
+            nodes.append(node)  # shut down in the end even if another one fails to start
+        for node in new:
+            node.wait_until_ready()
         return nodes[:n]
 
     try:
         yield more
     finally:
-        for node in nodes:
-            node.shutdown()
+        stops = [threading.Thread(target=node.shutdown) for node in nodes]  # each waits for its process
+        for stop in stops:
+            stop.start()
+        for stop in stops:
+            stop.join()
         remove_stale_sockets(since=started, settle=1.0)
 
 

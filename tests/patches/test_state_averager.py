@@ -26,6 +26,13 @@ from swarm.waiting import wait_until
 from tests.patches.common import MATCHMAKING, PLAIN, PLAIN_OR_PATCHED
 
 
+@pytest.fixture(autouse=True)
+def _declare_every_second(monkeypatch):
+    """A donor's changed epoch reaches the DHT within 1 s here, not DECLARE_EVERY's 5 s: the scenarios set a
+    donor's epoch and wait for its record, and the pacing itself has its own test (which sets its own)."""
+    monkeypatch.setattr(state_averager, "DECLARE_EVERY", 1.0)  # before the averagers' processes fork
+
+
 def _nodes(request: pytest.FixtureRequest, patched: bool, n: int) -> list:
     """``n`` DHT nodes: every process-wide patch installed for the test (``dhts``), or none
     (``plain_dhts``)."""

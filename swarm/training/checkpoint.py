@@ -40,13 +40,19 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read; the message names the URL and what to do."""
 
 
-def _filesystem(url: str, endpoint_url: str | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+def _filesystem(
+    url: str, endpoint_url: str | None = None, attempts: int | None = None
+) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem of ``url`` and the path in it; ``attempts``: how many times an S3 request is tried
+    (botocore's own default where None: 5, 6 s in all against an endpoint that refuses connections)."""
     import fsspec
 
     options: dict[str, Any] = {}
     protocol = url.split("://", 1)[0] if "://" in url else "file"
     if protocol in ("s3", "s3a") and endpoint_url:
         options["client_kwargs"] = {"endpoint_url": endpoint_url}
+    if protocol in ("s3", "s3a") and attempts:
+        options["config_kwargs"] = {"retries": {"max_attempts": attempts}}
     try:
         return fsspec.core.url_to_fs(url, **options)
     except ImportError as exc:
@@ -135,8 +141,10 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def check_location(base: str, endpoint_url: str | None = None) -> None:
-    """Fail early, with one line, if checkpoints cannot be written under ``base`` (no bucket, no access)."""
-    fs, path = _filesystem(base, endpoint_url)
+    """Fail early, with one line, if checkpoints cannot be written under ``base`` (no bucket, no access).
+    An S3 request is tried twice here, not botocore's 5 times: a wrong endpoint is reported within a second
+    at start; the saves themselves keep botocore's retries."""
+    fs, path = _filesystem(base, endpoint_url, attempts=2)
     try:
         if _is_local(fs):
             Path(path).mkdir(parents=True, exist_ok=True)

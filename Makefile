@@ -25,7 +25,7 @@ REPORT := .pytest-report.xml
 
 test: $(STAMP)
 	rm -f $(REPORT)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist worksteal -m "not slow and not plain" --durations=15 --junitxml=$(REPORT)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow and not plain" --durations=15 --junitxml=$(REPORT)
 	@test -s $(REPORT) || { echo "pytest stopped before its summary: a test ended the session early"; exit 1; }
 
 # the longer fault and benchmark runs (peers killed at three moments, the entry peer's death, churn, an

@@ -9,18 +9,14 @@ import threading
 import time
 from pathlib import Path
 
-import hivemind
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 from swarm import patches
-from swarm.net.node import lean_daemon_env
 from swarm.procs import _bound_unix_paths, _socket_inodes, group_members, remove_stale_sockets, stale_sockets
 from tests.helpers import PeerProcess, SharedLauncher
-
-lean_daemon_env()  # the p2p daemons of the tests' own hivemind nodes run as the product's do
 
 
 def pytest_collection_modifyitems(config, items):
@@ -67,7 +63,12 @@ def _starts_processes(root: Path, nodeid: str) -> bool:
 
 @pytest.fixture(autouse=True, scope="session")
 def _launcher():
-    """The launcher that forks the tests' peers (peer/launcher.py) ends with the session."""
+    """The p2p daemons of the tests' own hivemind nodes run as the product's do; the launcher that forks the
+    tests' peers (peer/launcher.py) ends with the session. (hivemind is imported here, in the workers, not
+    when pytest-xdist's controller reads this file: that import held up the workers' start by 2 s.)"""
+    from swarm.net.node import lean_daemon_env
+
+    lean_daemon_env()
     yield
     SharedLauncher.close()
 
@@ -139,9 +140,12 @@ def _lasting_stale_sockets(since: float, among: set[str], wait: float = 30.0) ->
     return sorted(stale)
 
 
-def _dht_nodes(started: float, cls: type = hivemind.DHT):
-    """A factory of DHT nodes (of class ``cls``) on 127.0.0.1 that join the first; yields it, then shuts every
-    node down."""
+def _dht_nodes(started: float, cls: type | None = None):
+    """A factory of DHT nodes (of class ``cls``, hivemind.DHT by default) on 127.0.0.1 that join the first;
+    yields it, then shuts every node down."""
+    import hivemind
+
+    cls = cls or hivemind.DHT
     first = cls(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     nodes = [first]
 

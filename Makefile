@@ -23,11 +23,12 @@ demo: $(STAMP)
 # early (os._exit in a command run in-process) would otherwise look like a pass
 REPORT := .pytest-report.xml
 
-# three workers: one runs the tests that start peers as processes, one after another; two share the in-process
-# tests, which mostly wait (tests/conftest.py, pytest_xdist_make_scheduler)
+# two workers: one runs the tests that start peers as processes, one after another; the other the in-process
+# tests, which mostly wait (tests/conftest.py, pytest_xdist_make_scheduler). A third worker on two cores made a
+# test of matchmaking's read pacing miss its 0.125 s bound (0.152 s)
 test: $(STAMP)
 	rm -f $(REPORT)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 3 --dist loadgroup -m "not slow and not plain" --durations=15 --junitxml=$(REPORT)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow and not plain" --durations=15 --junitxml=$(REPORT)
 	@test -s $(REPORT) || { echo "pytest stopped before its summary: a test ended the session early"; exit 1; }
 
 # the longer fault and benchmark runs (peers killed at three moments, the entry peer's death, churn, an

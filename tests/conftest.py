@@ -27,12 +27,12 @@ def pytest_collection_modifyitems(config, items):
 def pytest_xdist_make_scheduler(config, log):
     """`make test` spreads the suite over two workers (pytest-xdist, ``--dist loadgroup``): one worker runs
     the tests that start peers as processes (those that take the ``peers`` fixture), one after another, while
-    the other runs the in-process tests (with more workers, they share them). Two of the former side by side each took 1.3-3 times as long
-    as alone (the monitor's 31 s -> 62 s, the faulty peer's 13 s -> 36 s), since each keeps more than one
-    core busy (the 26 of them: 379 CPU-s in 284 s alone), where the in-process tests mostly wait (267: 157
-    CPU-s in 311 s). The group is found here, in the controller, which collects nothing: from each test
-    function's parameters in its file. (pytest-xdist's own ``xdist_group`` marker renames node ids, which
-    pytest 9 no longer lets it do.)"""
+    the other runs the in-process tests (with more workers, they share them). Two of the former side by side
+    each took 1.3-3 times as long as alone (the monitor's 31 s -> 62 s, the faulty peer's 13 s -> 36 s), since
+    each keeps more than one core busy (the 26 of them: 379 CPU-s in 284 s alone), where the in-process tests
+    mostly wait (267: 157 CPU-s in 311 s). The group is found here, in the controller, which collects nothing:
+    from each test function's parameters in its file. (pytest-xdist's own ``xdist_group`` marker renames node
+    ids, which pytest 9 no longer lets it do.)"""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadGroupScheduling

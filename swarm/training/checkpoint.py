@@ -49,10 +49,11 @@ def _filesystem(
 
     options: dict[str, Any] = {}
     protocol = url.split("://", 1)[0] if "://" in url else "file"
-    if protocol in ("s3", "s3a") and endpoint_url:
-        options["client_kwargs"] = {"endpoint_url": endpoint_url}
-    if protocol in ("s3", "s3a") and attempts:
-        options["config_kwargs"] = {"retries": {"max_attempts": attempts}}
+    if protocol in ("s3", "s3a"):
+        if endpoint_url:
+            options["client_kwargs"] = {"endpoint_url": endpoint_url}
+        if attempts:
+            options["config_kwargs"] = {"retries": {"max_attempts": attempts}}
     try:
         return fsspec.core.url_to_fs(url, **options)
     except ImportError as exc:

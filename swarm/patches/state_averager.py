@@ -22,8 +22,8 @@ member of a state round takes the largest epoch it gathered, whatever its size.
   (its ``screen`` and ``on_rejected`` attributes); a download is judged whole (the optimizer's state dict
   included, at any epoch), and never changes the optimizer's hyperparameters.
 - item 9: a groupmate's malformed or far-ahead epoch would move this peer: :func:`sane_epochs`.
-- item 12: a state round looks for its group for at most ``find_group_within`` seconds, while the round itself
-  keeps ``allreduce_timeout``.
+- item 12: a state round looks for its group for at most ``find_group_within`` seconds from the moment it is
+  asked for, while the round itself keeps ``allreduce_timeout``.
 - item 13: a download notes the epoch of the state it holds (``held_epoch``).
 - item 18: a donor stores a changed epoch at most every ``DECLARE_EVERY`` seconds.
 - item 3: one all-reduce buffer per dtype and role (swarm/patches/allreduce.py).
@@ -160,13 +160,13 @@ class _SettledState:
         self._swarm_steps = 0  # epoch steps and downloads begun (item 4)
         self._swarm_busy = 0  # of which still running
         self._swarm_busy_lock = threading.Lock()
-        self._swarm_find_group_within = find_group_within  # item 12; set before the averager process forks
+        self._swarm_find_group_within = find_group_within  # item 12
         self.screen: Any = None  # item 7: a RoundScreen and its callback, set by swarm.patches.optimizer.wire
         self.on_rejected: Any = None
         self.held_epoch: int | None = None  # item 13: the epoch of the state the last download left here
         self.donor_answered = False  # item 25: a donor's state arrived in the last download, and stands
         self.answered_by: str | None = None  # item 25: that donor (base58), where this peer chose it
-        self._swarm_received = False  # item 25: a state arrived in the download under way (_receiving)
+        self._swarm_received = False  # item 25: a state arrived in the download under way (_beneath)
         self._swarm_not_whole: str | None = None  # item 29: why the state that arrived was dropped
         self._swarm_arrived = False  # item 4: this download's state arrived, and no state is served
         # item 23: a swarm.averaging.donors.DonorCheck, set by the strategy (None: any donor, unchecked); told
@@ -195,17 +195,6 @@ class _SettledState:
         if not self.extra_tensors:
             robust.judge_states_here()
         super().run()
-
-    async def _step(self: Any, *, step: Any, **kwargs: Any) -> Any:
-        """hivemind's averaging step, in the averager process, with its matchmaking deadline shortened to
-        ``find_group_within`` seconds from now (item 12): this process's copy of the step control is the one
-        that matchmaking and the retry loop read; the caller's wait for the result is left as it was."""
-        from hivemind.utils import get_dht_time
-
-        within = self._swarm_find_group_within
-        if within is not None:
-            step._deadline = min(step.deadline, get_dht_time() + within)
-        return await super()._step(step=step, **kwargs)
 
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         """hivemind's step; an epoch's step (increment_epoch) is unsettled until it returns. The swarm runs
@@ -790,15 +779,32 @@ def _not_whole(averager: Any, loaded: tuple) -> str | None:
     return None
 
 
-def _receiving(averager: type) -> type:
-    """``averager`` (hivemind's DecentralizedAverager) noting whether its ``load_state_from_peers`` returned a
-    downloaded state (item 25): placed between TrainingStateAverager and it in the class
-    order, it sees what hivemind's TrainingStateAverager.load_state_from_peers receives
-    (state_averager.py:667) before that method applies the state, or drops it as older than this peer's own
-    (state_averager.py:672)."""
+def _beneath(averager: type) -> type:
+    """``averager`` (hivemind's DecentralizedAverager) with the changes that TrainingStateAverager reaches
+    through ``super()``: placed between the two in the class order, it sees their calls in this process.
+
+    - ``step`` (item 12): the round's matchmaking deadline, ``find_group_within`` seconds from the moment the
+      round is asked for, set here in the caller's process: hivemind's ``_do`` passes one ``timeout`` both as
+      the deadline of the step it sends to the averager process (averaging/averager.py:398, read by
+      matchmaking and the retries) and as its own wait for the result (optim/state_averager.py:550); only
+      the first is shortened. A deadline set in the averager process as it reads the step counted from then:
+      a step that waited in the pipe looked for its group longer.
+    - ``load_state_from_peers`` (item 25): notes whether it returned a downloaded state; it sees what
+      TrainingStateAverager.load_state_from_peers receives (state_averager.py:667) before that method applies
+      the state, or drops it as older than this peer's own (state_averager.py:672)."""
+    from hivemind.utils import get_dht_time
+
+    def step(self: Any, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        within = self._swarm_find_group_within
+        scheduled = kwargs.get("scheduled_time")
+        # hivemind asserts that the round is scheduled before its deadline: a round scheduled further ahead
+        # than ``within`` keeps its timeout
+        if within is not None and (scheduled is None or scheduled < get_dht_time() + within):
+            timeout = within if timeout is None else min(timeout, within)
+        return super(beneath, self).step(*args, timeout=timeout, **kwargs)
 
     def load_state_from_peers(self: Any, *args: Any, **kwargs: Any) -> Any:
-        loaded = super(receiving, self).load_state_from_peers(*args, **kwargs)
+        loaded = super(beneath, self).load_state_from_peers(*args, **kwargs)
         if isinstance(loaded, tuple):
             self._swarm_not_whole = _not_whole(self, loaded)
             if self._swarm_not_whole is not None:  # item 29: dropped before hivemind applies any of it
@@ -807,9 +813,10 @@ def _receiving(averager: type) -> type:
             self._state_arrived()  # item 4: serve nothing until it is applied, judged and numbered
         return loaded
 
-    receiving = type(averager.__name__, (averager,), {"load_state_from_peers": load_state_from_peers})
-    receiving.__module__ = __name__
-    return receiving
+    namespace = {"step": step, "load_state_from_peers": load_state_from_peers}
+    beneath = type(averager.__name__, (averager,), namespace)
+    beneath.__module__ = __name__
+    return beneath
 
 
 @cache
@@ -823,7 +830,7 @@ def state_averager_class(base: type) -> type:
     from hivemind.proto import averaging_pb2
 
     (averager,) = base.__bases__
-    bases = (_SettledState, PacksParts, base, _receiving(averager))
+    bases = (_SettledState, PacksParts, base, _beneath(averager))
     # hivemind registers a handler by its annotations (p2p/servicer.py:49-85) and keeps the handlers it found
     # on the class it first collected them for: this class collects its own, rpc_download_state_part included
     _SettledState.rpc_download_state_part.__annotations__ = {

@@ -753,6 +753,32 @@ def test_a_state_round_without_its_group_gives_up_after_find_group_within(reques
         _shutdown(a, b)
 
 
+async def _stall(self, seconds: float) -> None:
+    """Blocks the averager process's event loop, as a busy machine can: the messages sent after it wait."""
+    time.sleep(seconds)
+
+
+def test_find_group_within_counts_from_when_the_round_is_asked_for(dhts):
+    """Item 12 on a busy machine: the step that asks for a state round waits in the averager process's pipe
+    while that process is held up (here 3 s). The round still gives up ``find_group_within`` (2 s) after it
+    was asked for, once the averager process reads it; a deadline counted from that reading looked for the
+    group 2 s more (5 s in all)."""
+    nets = [torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)]
+    timeout, within, stall = 8.0, 2.0, 3.0
+    (a,) = _averagers(
+        _class(True, _stall=_stall), dhts(1), nets[:1], "pytest-sa-asked", min_matchmaking_time=1.0,
+        request_timeout=0.8, target_group_size=2, find_group_within=within,
+    )  # fmt: skip
+    try:
+        a._outer_pipe.send(("_stall", [stall], {}))
+        began = time.perf_counter()
+        a.step(averaging_round=True, averaging_opts=dict(timeout=timeout))
+        alone = time.perf_counter() - began
+        assert stall - 0.5 < alone < stall + within - 1.0, alone
+    finally:
+        _shutdown(a)
+
+
 @PLAIN_OR_PATCHED
 def test_a_donor_stores_its_changed_epoch_at_most_once_per_declare_every(request, patched, monkeypatch):
     """Item 18. hivemind's donor stores its record in the DHT at every change of ``state_sharing_priority``

@@ -25,9 +25,9 @@ methods of one running optimizer, and :func:`wire` applies them in the order the
 - item 16, :func:`skip_state_rounds_in_agreement`: a state round whose group already holds one state is
   skipped (decided from summaries sent with the gradient round's all-gather).
 - item 17, :func:`number_steps_by_epoch`: AdamW's step counters follow the global epoch.
-- items 24 and 25, :func:`decide_downloads_after_refusals`: a donor whose state this peer refused, or a
-  progress record that claims an epoch no donor served, still set the swarm's epoch in the tracker's reads,
-  and the peer downloaded at every step.
+- items 24, 25 and 32, :func:`decide_downloads_after_refusals`: a donor whose state this peer refused, a
+  progress record that claims an epoch no donor served, or the records of a donor that left (its dial
+  failed), still set the swarm's epoch in the tracker's reads, and the peer downloaded at every step.
 - item 30, :func:`leave_out_peers_that_never_came`: a gradient round that nobody else came to
   (swarm/patches/matchmaking.py ``give_up_alone``), or that some counted peers did not come to, leaves those
   peers out of the tracker's reads until they report again; before, a peer whose groupmates left waited a
@@ -162,7 +162,7 @@ def wire(opt: Any, wiring: Wiring) -> Wired:
     keep = None
     if wiring.members is not None:  # item 26: a record speaks for the PeerID its signer's member record names
         keep = progress.vouched_by(wiring.members, opt.tracker._local_public_key)
-    decide_downloads_after_refusals(opt, keep)  # items 24, 25: a refused or unserved epoch: no download loop
+    decide_downloads_after_refusals(opt, keep)  # items 24, 25, 32: a refused, unserved or gone epoch: no loop
     if keep is not None:  # outermost: every wrapper of the tracker's reads above sees only vouched records
         progress.keep_only(opt.tracker, keep)
     # wrappers of the same methods run outermost-last: the clock times the state round that the two below
@@ -243,7 +243,8 @@ def download_the_epoch_it_names(opt: Any, attempts: int = 3, pause: float = 0.5)
     apart, while the one downloaded is older than the epoch hivemind then moved on to (the donor that had not
     yet stepped has by then). If it is still older, the peer keeps the epoch of the state it holds, and
     hivemind's exact-epoch check has it download at its next step (optimizer.py,
-    ``_should_load_state_from_peers``). Needs the state averager of swarm.patches.state_averager (its
+    ``_should_load_state_from_peers``). A download that no donor answered because those it asked could not be
+    dialled (item 32) is not repeated. Needs the state averager of swarm.patches.state_averager (its
     ``held_epoch``)."""
     load = opt.load_state_from_peers
     averager = opt.state_averager
@@ -263,6 +264,8 @@ def download_the_epoch_it_names(opt: Any, attempts: int = 3, pause: float = 0.5)
                 averager.state_sharing_priority = held
                 if opt.grad_averager is not None:
                     opt.grad_averager.state_sharing_priority = held
+            if not averager.donor_answered and getattr(averager, "unreachable", None):
+                return result  # item 32: no donor could be dialled; asking again would dial them again
             if attempt < attempts:
                 log.info(
                     "Downloaded the state of global epoch %d while the swarm is at %d; downloading again",
@@ -304,7 +307,11 @@ def decide_downloads_after_refusals(opt: Any, keep: Any = None) -> None:
     it holds the swarm's state. A warning names a claimer only where its claim is known false (it declares no
     state, or this peer asked it and it served an older state than it claimed as the download began); a
     claimer that declares itself a donor and was not asked may be honest (its declaration lags, item 18, or it
-    stepped on during the download): one line of news for all such."""
+    stepped on during the download): one line of news for all such.
+
+    Item 32: a download that could not dial a donor (``averager.unreachable``: it left, with its records
+    still in the DHT) counts the claim of each such peer ahead of this one at this peer's epoch for
+    ``UNSERVED_FOR`` seconds, whether or not another donor answered."""
     averager, tracker = opt.state_averager, opt.tracker
     unserved: dict[str, float] = {}  # item 25: peer (base58) -> until (time.monotonic)
     marked = [-math.inf]  # when unserved claims were last marked
@@ -340,6 +347,7 @@ def decide_downloads_after_refusals(opt: Any, keep: Any = None) -> None:
         before = reads.claims() or progress.claimed_epochs(tracker, keep=keep)
         result = load(**kwargs)
         held = opt.local_epoch
+        mark_unreachable(held)
         # one epoch ahead: a donor that stepped while this peer downloaded (item 13 downloads again)
         if not averager.donor_answered or tracker.global_epoch <= held + 1:
             return result
@@ -383,6 +391,27 @@ def decide_downloads_after_refusals(opt: Any, keep: Any = None) -> None:
                 UNSERVED_FOR,
             )
         return result
+
+    def mark_unreachable(held: int) -> None:
+        # item 32: a donor that this download could not dial left (or moved) with its records still in the
+        # DHT; its claim ahead would send this peer to download, and dial it, at every step until they expire
+        gone = getattr(averager, "unreachable", {})
+        if not gone:
+            return
+        claims = progress.claimed_epochs(tracker, keep=keep).items()
+        ahead = {p: epoch for p, epoch in claims if p in gone and epoch > held and not discounted(p)}
+        if not ahead:
+            return
+        unserved.update((peer, time.monotonic() + UNSERVED_FOR) for peer in ahead)
+        marked[0] = time.monotonic()
+        log.info(
+            "%d peer(s) ahead of this one, at global epochs up to %d, could not be dialled for a download "
+            "(they left, or their address changed): this peer counts them at its own epoch %d for %.0f s",
+            len(ahead),
+            max(ahead.values()),
+            held,
+            UNSERVED_FOR,
+        )
 
     opt._should_load_state_from_peers = should_load_from_a_read_after_the_discounts
     opt.load_state_from_peers = load_marking_unserved_claims

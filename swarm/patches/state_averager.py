@@ -39,6 +39,8 @@ member of a state round takes the largest epoch it gathered, whatever its size.
   state_averager.py:667-674) and neither the screen nor the check undid it; hivemind applies it, or keeps
   this peer's own state where the donor's is older. Where this peer chose the donor (item 23) it notes which
   (``answered_by``); :meth:`declared_donors` says which peers declare themselves donors.
+- item 32: a donor that cannot be dialled (it left; its record lingers in the DHT) is passed over for the next
+  one in the same download, and named in ``unreachable`` (read by swarm/patches/optimizer.py).
 - item 31: hivemind takes a download from one donor, as slow as that donor's upload. With the check and
   ``download_donors`` > 1, the donor sends the parameters and other donors at its epoch send the extras and
   the optimizer's statistics, in slices at the same time (``rpc_download_state_part``); a slice that fails or
@@ -76,6 +78,22 @@ REFUSE_FOR = 300.0  # item 23: seconds for which a donor whose state was refused
 HELPER_EPOCHS_BEHIND = 1
 SKETCH_COLUMNS, SKETCH_DIRECTIONS = 1024, 4  # item 23: a state folded into 1024 sums, then 4 projections
 _ROLE_NAMES = {"PARAMETER": "parameters", "OPTIMIZER": "optimizer statistics"}
+
+
+class Unreachable:
+    """Item 32: what the averager process answers a download whose donor could not be dialled."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def _dial_failed(exc: BaseException) -> bool:
+    """Item 32: whether ``exc`` says that the p2p daemon could not dial the peer at all (every address refused
+    or in dial backoff, or none known): the peer is gone, or its address changed. A stream cut short or a
+    timeout is not this: the peer was there."""
+    from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
+
+    return isinstance(exc, ControlFailure) and "failed to dial" in str(exc)
 
 
 def _roles(averager: Any) -> list[str]:
@@ -168,6 +186,8 @@ class _SettledState:
         self.answered_by: str | None = None  # item 25: that donor (base58), where this peer chose it
         self._swarm_received = False  # item 25: a state arrived in the download under way (_beneath)
         self._swarm_not_whole: str | None = None  # item 29: why the state that arrived was dropped
+        self._swarm_unreachable: str | None = None  # item 32: why the donor of this download was not reached
+        self.unreachable: dict[str, str] = {}  # item 32: the donors (base58) the last download could not dial
         self._swarm_arrived = False  # item 4: this download's state arrived, and no state is served
         # item 23: a swarm.averaging.donors.DonorCheck, set by the strategy (None: any donor, unchecked); told
         # of refused donors through on_refused(donor, reason); the donors refused lately (base58 -> until)
@@ -443,6 +463,7 @@ class _SettledState:
         ``REFUSE_FOR`` seconds (which of them sent the bad slice is not known), and the donor is asked alone
         at once, so that only the state it sends itself is held against it."""
         result = None
+        self.unreachable = {}
         ranked = self._ranked_donors()
         if self.download_donors > 1 and len(ranked) > 1:
             self.check_download.read()  # which donors publish one state: the helpers' choice reads it
@@ -461,6 +482,9 @@ class _SettledState:
                     result, refused = self._load_screened(check=name, **kwargs)
             finally:
                 self._outer_pipe.send(("_swarm_ask_only", [None], {}))
+            if self._swarm_unreachable is not None:  # item 32: gone; the next donor, if any
+                self.unreachable[name] = self._swarm_unreachable
+                continue
             if refused is None:
                 self.answered_by = name if self.donor_answered else None
                 return result
@@ -615,7 +639,11 @@ class _SettledState:
             if loaded is not None:
                 future.set_result(loaded)
         except Exception as exc:
-            log.info("Could not download the state from %s: %r", peer, exc)
+            if _dial_failed(exc):  # item 32: the caller asks the next donor
+                log.info("Could not reach %s to download the state: %r", peer, exc)
+                future.set_result(Unreachable(repr(exc)))
+            else:
+                log.info("Could not download the state from %s: %r", peer, exc)
         finally:
             if not future.done():
                 future.set_result(None)
@@ -644,7 +672,7 @@ class _SettledState:
             hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         epoch = self.local_epoch
         self._swarm_own_hyper = hyper  # put back before hivemind's scheduler catches up (_update_scheduler)
-        self._swarm_received, self._swarm_not_whole = False, None
+        self._swarm_received, self._swarm_not_whole, self._swarm_unreachable = False, None, None
         result = super().load_state_from_peers(**kwargs)
         received, not_whole = self._swarm_received, self._swarm_not_whole
         reason = refused = None
@@ -791,7 +819,8 @@ def _beneath(averager: type) -> type:
       a step that waited in the pipe looked for its group longer.
     - ``load_state_from_peers`` (item 25): notes whether it returned a downloaded state; it sees what
       TrainingStateAverager.load_state_from_peers receives (state_averager.py:667) before that method applies
-      the state, or drops it as older than this peer's own (state_averager.py:672)."""
+      the state, or drops it as older than this peer's own (state_averager.py:672); and (item 32) whether the
+      donor could not be dialled."""
     from hivemind.utils import get_dht_time
 
     def step(self: Any, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
@@ -805,6 +834,9 @@ def _beneath(averager: type) -> type:
 
     def load_state_from_peers(self: Any, *args: Any, **kwargs: Any) -> Any:
         loaded = super(beneath, self).load_state_from_peers(*args, **kwargs)
+        if isinstance(loaded, Unreachable):  # item 32: nothing arrived; the caller asks the next donor
+            self._swarm_unreachable = loaded.why
+            return None
         if isinstance(loaded, tuple):
             self._swarm_not_whole = _not_whole(self, loaded)
             if self._swarm_not_whole is not None:  # item 29: dropped before hivemind applies any of it

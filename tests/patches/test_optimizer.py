@@ -811,3 +811,60 @@ def test_a_peer_behind_an_epoch_that_no_donor_serves_trains_on_instead_of_downlo
         donor.shutdown()
         if claiming_donor is not None:
             claiming_donor.shutdown()
+
+
+@PLAIN_OR_PATCHED
+def test_a_peer_behind_a_donor_that_left_trains_on_instead_of_dialling_it_at_every_step(
+    dhts, patched, monkeypatch, caplog
+):
+    """Item 32. Donor D declares and reports epoch 50, then leaves without a word (its p2p daemon ends at
+    once, as under a SIGTERM to its process group): its records stay in the DHT until they expire. A, at
+    epoch 0, reads D's claim and finds itself behind; its download dials D, which fails. Without
+    decide_downloads_after_refusals every step of A downloads again, dials D again, and returns before
+    accumulating anything: A never leaves epoch 0. With it, A downloads once, counts D at its own epoch, and
+    trains on: its round with nobody fails and it steps on its own gradient to epoch 1."""
+    from swarm.averaging import donors
+    from tests.patches.test_state_averager import _donor_visible
+
+    monkeypatch.setattr(donors, "WAIT_FOR_SKETCHES", 0.5)
+    node_d, node_a = dhts(2)
+    run = f"pytest-rounds-donor-left-{patched}"
+    (donor,) = _state_averagers([node_d], [torch.nn.Linear(4, 3)], f"{run}_state_averager")
+    donor.local_epoch = donor.state_sharing_priority = 50
+    claimer = ProgressTracker(node_d, run, target_batch_size=8, private_key=RSAPrivateKey(), start=True)
+    try:
+        claimer.report_local_progress(50, 1)
+        with _lone_optimizer(node_a, run) as opt:
+            opt.state_averager.check_download = donors.DonorCheck(node_a, run, node_a.peer_id.to_base58())
+            if patched:
+                wiring.decide_downloads_after_refusals(opt)
+            download, downloads = opt.load_state_from_peers, []
+            opt.load_state_from_peers = lambda **kwargs: downloads.append(1) or download(**kwargs)
+            assert wait_until(lambda: opt.tracker.global_epoch == 50, timeout=20), opt.tracker.global_progress
+            assert wait_until(lambda: _donor_visible(node_a, f"{run}_state_averager", donor), timeout=20)
+            # D ends as a process does: its tracker stops without storing the empty record that hivemind's
+            # shutdown leaves in its place, and its p2p daemon ends; its records stay in A's storage
+            claimer.shutdown_triggered.set()
+            claimer.should_report_progress.set()
+            claimer.global_state_updated.set()
+            assert claimer.shutdown_complete.wait(10)
+            donor.shutdown()
+            node_d.shutdown()
+            assert _donor_visible(node_a, f"{run}_state_averager", donor)
+            progress.read_within(opt.tracker, 0.0)
+            assert wait_until(lambda: opt.tracker.global_epoch == 50, timeout=20), opt.tracker.global_progress
+
+            with caplog.at_level(logging.INFO, logger="swarm.patches.optimizer"):
+                steps = _step_while_at(opt, 0, 30.0, most=None if patched else 40)
+            if patched:
+                assert opt.local_epoch == 1, (opt.local_epoch, opt.tracker.global_progress)
+                assert len(downloads) == 1, (len(downloads), steps)
+                assert "could not be dialled for a download" in caplog.text, caplog.text
+            else:
+                assert opt.local_epoch == 0 and opt.tracker.global_epoch == 50
+                assert len(downloads) >= steps // 2 and steps >= 20, (len(downloads), steps)
+            assert opt.state_averager.unreachable.keys() == {node_d.peer_id.to_base58()}  # asked, not reached
+    finally:
+        if not claimer.shutdown_triggered.is_set():
+            claimer.shutdown()
+        donor.shutdown()

@@ -824,11 +824,13 @@ def _beneath(averager: type) -> type:
     from hivemind.utils import get_dht_time
 
     def step(self: Any, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
-        within = self._swarm_find_group_within
+        within, now = self._swarm_find_group_within, get_dht_time()
         scheduled = kwargs.get("scheduled_time")
+        if scheduled is None:  # as hivemind's step sets it (averaging/averager.py:394-395)
+            scheduled = now + self.matchmaking_kwargs["min_matchmaking_time"]
         # hivemind asserts that the round is scheduled before its deadline: a round scheduled further ahead
         # than ``within`` keeps its timeout
-        if within is not None and (scheduled is None or scheduled < get_dht_time() + within):
+        if within is not None and scheduled < now + within:
             timeout = within if timeout is None else min(timeout, within)
         return super(beneath, self).step(*args, timeout=timeout, **kwargs)
 

@@ -661,6 +661,26 @@ def _step_while_at(opt: hivemind.Optimizer, epoch: int, seconds: float, most: in
     return steps
 
 
+def _checked_downloads_behind(
+    opt: hivemind.Optimizer, node: Any, run: str, donor: Any, patched: bool
+) -> list:
+    """``opt`` (on ``node``) with item 23's download check and, if ``patched``,
+    decide_downloads_after_refusals; returns the list that counts its downloads, once its tracker reads the
+    claim of epoch 50 and ``donor``'s record in the DHT (A's first download must find the donor: a download
+    that reads no donor asks nobody)."""
+    from swarm.averaging import donors
+    from tests.patches.test_state_averager import _donor_visible
+
+    opt.state_averager.check_download = donors.DonorCheck(node, run, node.peer_id.to_base58())
+    if patched:
+        wiring.decide_downloads_after_refusals(opt)
+    download, downloads = opt.load_state_from_peers, []
+    opt.load_state_from_peers = lambda **kwargs: downloads.append(1) or download(**kwargs)
+    assert wait_until(lambda: opt.tracker.global_epoch == 50, timeout=20), opt.tracker.global_progress
+    assert wait_until(lambda: _donor_visible(node, f"{run}_state_averager", donor), timeout=20)
+    return downloads
+
+
 @PLAIN_OR_PATCHED
 def test_a_peer_that_refused_the_only_donor_ahead_trains_on_instead_of_downloading_at_every_step(
     dhts, patched, monkeypatch
@@ -672,7 +692,7 @@ def test_a_peer_that_refused_the_only_donor_ahead_trains_on_instead_of_downloadi
     leaves epoch 0. With decide_downloads_after_refusals, A downloads once, reads the swarm again, counts D at
     its own epoch, and trains on: its round with nobody fails and it steps on its own gradient to epoch 1."""
     from swarm.averaging import donors
-    from tests.patches.test_state_averager import _donor_visible, _publish_sketch
+    from tests.patches.test_state_averager import _publish_sketch
 
     monkeypatch.setattr(donors, "WAIT_FOR_SKETCHES", 0.5)
     node_d, node_a = dhts(2)
@@ -687,15 +707,8 @@ def test_a_peer_that_refused_the_only_donor_ahead_trains_on_instead_of_downloadi
         _publish_sketch(node_a, run, "other", "other-peer", 0, [torch.ones(3)])
         with _lone_optimizer(node_a, run) as opt:
             refusals: list = []
-            opt.state_averager.check_download = donors.DonorCheck(node_a, run, node_a.peer_id.to_base58())
+            downloads = _checked_downloads_behind(opt, node_a, run, donor, patched)
             opt.state_averager.on_refused = lambda donor, reason: refusals.append(reason)
-            if patched:
-                wiring.decide_downloads_after_refusals(opt)
-            download, downloads = opt.load_state_from_peers, []
-            opt.load_state_from_peers = lambda **kwargs: downloads.append(1) or download(**kwargs)
-            assert wait_until(lambda: opt.tracker.global_epoch == 50, timeout=20), opt.tracker.global_progress
-            # A's first download must find D: a download that reads no donor refuses nothing
-            assert wait_until(lambda: _donor_visible(node_a, f"{run}_state_averager", donor), timeout=20)
 
             # plain hivemind: 40 steps that stay at epoch 0 (135-156 in 10 s alone, 18 on a starved machine)
             steps = _step_while_at(opt, 0, 30.0, most=None if patched else 40)
@@ -835,13 +848,7 @@ def test_a_peer_behind_a_donor_that_left_trains_on_instead_of_dialling_it_at_eve
     try:
         claimer.report_local_progress(50, 1)
         with _lone_optimizer(node_a, run) as opt:
-            opt.state_averager.check_download = donors.DonorCheck(node_a, run, node_a.peer_id.to_base58())
-            if patched:
-                wiring.decide_downloads_after_refusals(opt)
-            download, downloads = opt.load_state_from_peers, []
-            opt.load_state_from_peers = lambda **kwargs: downloads.append(1) or download(**kwargs)
-            assert wait_until(lambda: opt.tracker.global_epoch == 50, timeout=20), opt.tracker.global_progress
-            assert wait_until(lambda: _donor_visible(node_a, f"{run}_state_averager", donor), timeout=20)
+            downloads = _checked_downloads_behind(opt, node_a, run, donor, patched)
             # D ends as a process does: its tracker stops without storing the empty record that hivemind's
             # shutdown leaves in its place, and its p2p daemon ends; its records stay in A's storage
             claimer.shutdown_triggered.set()

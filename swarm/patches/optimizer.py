@@ -264,7 +264,7 @@ def download_the_epoch_it_names(opt: Any, attempts: int = 3, pause: float = 0.5)
                 averager.state_sharing_priority = held
                 if opt.grad_averager is not None:
                     opt.grad_averager.state_sharing_priority = held
-            if not averager.donor_answered and getattr(averager, "unreachable", None):
+            if not averager.donor_answered and averager.unreachable:
                 return result  # item 32: no donor could be dialled; asking again would dial them again
             if attempt < attempts:
                 log.info(
@@ -347,12 +347,15 @@ def decide_downloads_after_refusals(opt: Any, keep: Any = None) -> None:
         before = reads.claims() or progress.claimed_epochs(tracker, keep=keep)
         result = load(**kwargs)
         held = opt.local_epoch
-        mark_unreachable(held)
         # one epoch ahead: a donor that stepped while this peer downloaded (item 13 downloads again)
-        if not averager.donor_answered or tracker.global_epoch <= held + 1:
+        behind = averager.donor_answered and tracker.global_epoch > held + 1
+        if not behind and not averager.unreachable:
             return result
-        claims = progress.claimed_epochs(tracker, keep=keep).items()
-        ahead = {peer: epoch for peer, epoch in claims if epoch > held + 1 and not discounted(peer)}
+        claims = progress.claimed_epochs(tracker, keep=keep)  # read once, for items 32 and 25
+        mark_unreachable(held, claims)
+        if not behind:
+            return result
+        ahead = {peer: epoch for peer, epoch in claims.items() if epoch > held + 1 and not discounted(peer)}
         if not ahead:
             return result
         donors, moved_on = averager.declared_donors(), []
@@ -392,14 +395,11 @@ def decide_downloads_after_refusals(opt: Any, keep: Any = None) -> None:
             )
         return result
 
-    def mark_unreachable(held: int) -> None:
+    def mark_unreachable(held: int, claims: dict[str, int]) -> None:
         # item 32: a donor that this download could not dial left (or moved) with its records still in the
         # DHT; its claim ahead would send this peer to download, and dial it, at every step until they expire
-        gone = getattr(averager, "unreachable", {})
-        if not gone:
-            return
-        claims = progress.claimed_epochs(tracker, keep=keep).items()
-        ahead = {p: epoch for p, epoch in claims if p in gone and epoch > held and not discounted(p)}
+        gone = averager.unreachable
+        ahead = {p: e for p, e in claims.items() if p in gone and e > held and not discounted(p)}
         if not ahead:
             return
         unserved.update((peer, time.monotonic() + UNSERVED_FOR) for peer in ahead)

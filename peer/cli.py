@@ -82,6 +82,9 @@ def _exit_quietly(code: int = 0) -> None:
         # a command run in-process by a test (click's CliRunner): os._exit would end the whole test session
         # with this code, 0 included, and a truncated run would read as a pass (it did once)
         raise SystemExit(code)
+    from swarm.procs import remove_own_temp_dir
+
+    remove_own_temp_dir()
     os._exit(code)
 
 

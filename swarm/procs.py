@@ -347,6 +347,23 @@ def _held_by_ours(since: float, waited: set[str]) -> bool:
     return any(p in held or (p in waited and p in others) for p in pending)
 
 
+def remove_own_temp_dir() -> None:
+    """Remove the folder that ``multiprocessing`` made for this process in the temporary directory
+    (``pymp-*``, which holds the listening socket through which its resource sharer hands pipes to other
+    processes: every hivemind request to a DHT or averager process carries one). multiprocessing removes it
+    at a normal exit; a role that leaves through ``os._exit`` calls this first, or every run leaves one such
+    folder behind. A folder inherited from the parent (a peer forked by the launcher) stays: multiprocessing's
+    finalizer runs only in the process that made it."""
+    from multiprocessing import util
+
+    for finalizer in list(getattr(util, "_finalizer_registry", {}).values()):
+        if getattr(finalizer, "_callback", None) is getattr(util, "_remove_temp_dir", object()):
+            try:
+                finalizer()
+            except Exception as exc:  # a temporary folder is not worth a traceback at exit
+                log.debug("Could not remove multiprocessing's temporary folder: %r", exc)
+
+
 def _mtime(path: str) -> float:
     try:
         return os.stat(path).st_mtime
@@ -447,6 +464,7 @@ class GracefulStop:
             except ProcessLookupError:
                 pass
         remove_stale_sockets(since=self.started, exclude_own=True, settle=2.0)
+        remove_own_temp_dir()
         os._exit(0)
 
 

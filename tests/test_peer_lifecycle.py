@@ -7,10 +7,12 @@ import glob
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -408,6 +410,49 @@ def _zombie(pid: int) -> bool:
     except OSError:
         return True
     return text[text.rfind(")") + 2] == "Z"
+
+
+LEAVES_BY_OS_EXIT = """
+import multiprocessing, os, sys
+from multiprocessing import util
+from multiprocessing.reduction import ForkingPickler
+from peer.cli import _exit_quietly
+
+# a pipe pickled for another process, as every hivemind request to a DHT or averager process carries one
+# (hivemind/utils/mpfuture.py, MPFuture.__getstate__): handed over through this process's resource sharer
+ForkingPickler.dumps(multiprocessing.Pipe()[0])
+made = util.get_temp_dir()  # multiprocessing's folder for it: pymp-*, with the sharer's listening socket
+child = os.fork()
+if child == 0:  # a process forked after the folder was made (as the launcher forks peers) shares it
+    _exit_quietly(0) if sys.argv[1] == "theirs" else os._exit(0)
+os.waitpid(child, 0)
+print(made, os.path.isdir(made), flush=True)
+_exit_quietly(0) if sys.argv[1] == "theirs" else os._exit(0)
+"""
+
+
+def test_a_role_that_leaves_by_os_exit_removes_its_multiprocessing_folder():
+    """A role leaves through ``os._exit`` (peer/cli.py ``_exit_quietly``), which skips multiprocessing's own
+    clean-up: the folder it made in the temporary directory for its resource sharer's socket stayed behind,
+    one per run of every command (`make demo` left 4, the suite about 70). Here ``os._exit`` alone leaves the
+    folder; ``_exit_quietly`` removes it, though not from a forked child that inherited it (the parent still
+    uses it)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("PYTEST_CURRENT_TEST", None)
+    for way, kept in (("plain", True), ("theirs", False)):
+        out = subprocess.run(
+            [sys.executable, "-c", LEAVES_BY_OS_EXIT, way],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        made, there_after_child = out.stdout.split()
+        assert made.startswith(os.path.join(tempfile.gettempdir(), "pymp-")), made
+        assert there_after_child == "True", way  # the forked child left its parent's folder alone
+        assert os.path.isdir(made) == kept, (way, made)
+        shutil.rmtree(made, ignore_errors=True)
 
 
 def test_a_process_whose_main_thread_ended_first_is_alive_until_its_last_thread_ends(tmp_path):

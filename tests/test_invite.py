@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import hivemind
@@ -439,7 +440,7 @@ def test_progress_records_count_only_under_the_peer_id_of_their_signers_member_r
     a_tracker = trackers[0]
     plain = a_tracker._parse_swarm_progress_data  # hivemind's own
     book = fence.MemberBook(a.dht, load_invite(invites["alice"]))
-    progress.keep_only(a_tracker, progress.vouched_by(book.current, a_tracker._local_public_key))
+    progress.keep_only(a_tracker, progress.vouched_by(book, a_tracker._local_public_key))
     for tracker in trackers:
         tracker.start()
         cleanup.append(tracker)
@@ -461,6 +462,40 @@ def test_progress_records_count_only_under_the_peer_id_of_their_signers_member_r
         f"Ignored the progress records of invite 'eve', which claim PeerID {b.dht.peer_id} while its member "
         f"record names {eve.dht.peer_id}"
     ]
+
+
+def test_the_member_book_reads_quietly_until_it_meets_a_key_without_a_member_record(
+    invites, cleanup, monkeypatch
+):
+    """The member records change when a peer joins or an invite is revoked: the book reads them (and the
+    revocations) every ``quiet_period``, and after ``period`` once a progress record signed by a key without a
+    member record was met (a newcomer), which then counts before the next quiet read would have come."""
+    reads: list[float] = []
+    real = fence._member_reads
+
+    def counted(dht: Any, invite: Any) -> Any:
+        reads.append(time.monotonic())
+        return real(dht, invite)
+
+    monkeypatch.setattr(fence, "_member_reads", counted)
+    a = _peer(invites["alice"], [], cleanup)
+    book = fence.MemberBook(a.dht, load_invite(invites["alice"]))
+    book.period, book.quiet_period = 0.5, 5.0
+    keep = progress.vouched_by(book, a.key)
+    assert wait_until(lambda: len(book.current() or {}) == 1, timeout=20)
+    known = len(reads)
+    until = time.monotonic() + 2.5
+    while time.monotonic() < until:  # the tracker's reads ask the book at every parse
+        assert book.current() is not None
+        time.sleep(0.05)
+    assert len(reads) == known, "the book read again though every key it met was a member's"
+
+    b = _peer(invites["bob"], [str(m) for m in a.dht.get_visible_maddrs()], cleanup)
+    record = SimpleNamespace(value={"peer_id": b.dht.peer_id.to_bytes()})  # b's first progress record
+    assert not keep(b.key, record)  # not read yet: left out, and the book told
+    assert wait_until(lambda: keep(b.key, record), timeout=20, interval=0.05)
+    assert time.monotonic() < reads[known - 1] + book.quiet_period, "b waited for the quiet read"
+    assert len(reads) in (known + 1, known + 2), len(reads)
 
 
 def test_a_token_of_an_older_release_is_refused_with_what_to_do(invites, caplog):

@@ -423,7 +423,7 @@ class HivemindStrategy(SingleDeviceStrategy):
                 check_download=self.donor_check,
                 download_donors=self.download_donors,
                 on_refused=self._on_refused_download,
-                members=self.member_book.current if self.member_book is not None else None,
+                members=self.member_book,
             ),
         )
         self.clock = self._wired.instrument

@@ -92,16 +92,26 @@ def members_by_key(dht: Any, invite: Invite, timeout: float = 5.0) -> dict[bytes
 class MemberBook:
     """:func:`members_by_key`, read in the background for a caller that must not wait on the DHT (the
     progress tracker's reads): :meth:`current` returns the newest read that has come back (None before the
-    first) and starts another when the last was asked for ``period`` seconds ago or more."""
+    first) and starts another when the last was asked for ``quiet_period`` seconds ago or more, or ``period``
+    seconds once a caller met a signing key without a member record since (:meth:`note_unknown`: a newcomer,
+    counted within a read or two of its first record). The records change when a peer joins or an invite is
+    revoked; read both every ``period``, they were 1.1 of the 4.9 DHT requests a second of a DiLoCo peer with
+    rounds every 5 s (docs/benchmarks.md)."""
 
-    period = 2.0
+    period = 2.0  # seconds between two reads while a signing key without a member record was met
+    quiet_period = 10.0  # otherwise; a revocation reaches the tracker within it (RevocationWatcher.period)
 
     def __init__(self, dht: Any, invite: Invite) -> None:
         self.dht, self.invite = dht, invite
         self._members: dict[bytes, Member] | None = None
         self._pending: list[Any] | None = None
         self._asked = -float("inf")
+        self._unknown = False  # a key without a member record was met since the last read was asked
         self._lock = threading.Lock()
+
+    def note_unknown(self) -> None:
+        """A record signed by a key that no member record names was met: read again after ``period``."""
+        self._unknown = True
 
     def current(self) -> dict[bytes, Member] | None:
         with self._lock:
@@ -111,9 +121,11 @@ class MemberBook:
                 except Exception as exc:  # a failed read: the last one stands until the next
                     log.debug("Could not read the member records: %r", exc)
                 self._pending = None
-            if self._pending is None and time.monotonic() - self._asked >= self.period:
+            wait = self.period if self._unknown else self.quiet_period
+            if self._pending is None and time.monotonic() - self._asked >= wait:
                 try:
                     self._pending, self._asked = _member_reads(self.dht, self.invite), time.monotonic()
+                    self._unknown = False
                 except Exception as exc:  # a DHT that is shutting down
                     log.debug("Could not read the member records: %r", exc)
             return self._members

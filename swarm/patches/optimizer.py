@@ -106,9 +106,9 @@ class Wiring:
     on_silent: Callable[[int, int], None] | None = None
     """Told (peers left out, the round's group size, 0 if it failed) after a gradient round that some
     counted peers did not come to (item 30)."""
-    members: Callable[[], Any] | None = None
-    """Invite-only: the run's members by signing key (swarm.net.fence.MemberBook ``current``); the progress
-    records count only under the PeerID that their signer's member record names (item 26)."""
+    members: Any = None
+    """Invite-only: the run's members by signing key (a swarm.net.fence.MemberBook); the progress records
+    count only under the PeerID that their signer's member record names (item 26)."""
 
 
 @dataclass

@@ -142,8 +142,9 @@ def _record_peer(entry: Any) -> str | None:
 
 def vouched_by(members: Any, own_key: bytes) -> Any:
     """For an invite-only swarm: a predicate ``keep(subkey, entry)`` on progress records that keeps a record
-    only if its PeerID is the one that the member record signed by the same DHT key names (swarm/net/fence.py;
-    ``members()`` returns them by key, or None before the first read, when every record is kept), and this
+    only if its PeerID is the one that the member record signed by the same DHT key names (``members``, a
+    swarm.net.fence.MemberBook: ``current()`` returns them by key, or None before the first read, when every
+    record is kept; a key it does not name is told to it, ``note_unknown()``, so that it reads soon), and this
     peer's own (``own_key``). A record's ``peer_id`` is whatever its writer claims, and the bans, the refused
     donors and the claimed epochs are all keyed by it: an invited peer could otherwise write its records in an
     honest peer's name, or in a name nobody banned. One warning per signing key that claims another member's
@@ -151,13 +152,14 @@ def vouched_by(members: Any, own_key: bytes) -> Any:
     warned: set[bytes] = set()
 
     def keep(subkey: Any, entry: Any) -> bool:
-        book = members()
+        book = members.current()
         if book is None or subkey == own_key:
             return True
         member, claimed = book.get(subkey), _record_peer(entry)
         if claimed is None:  # withdrawn (a leaving tracker stores None, progress_tracker.py:353-359) or
             return True  # malformed: hivemind's own parsing skips it
         if member is None:
+            members.note_unknown()
             return False
         if member.peer_id == claimed:
             return True

@@ -24,7 +24,8 @@ timeout before it steps alone (15 s in the demo's swarm of two), at every epoch 
 **What this changes.** :func:`set_target_group_size` sets the size in the running averager process (through
 hivemind's own control pipe, ``_outer_pipe``), so the strategy keeps it equal to the number of peers the
 progress tracker sees. :func:`install` runs hivemind's own ``_update_queue_periodically`` on a key manager
-whose reads come at least ``LEADER_READS_EVERY`` apart (:class:`PacedReads`). :func:`give_up_alone` makes an
+whose reads come at least ``LEADER_READS_EVERY`` apart, and ``LEADER_READS_QUIET`` once no peer that
+declares itself from then on can be its leader (:class:`PacedReads`). :func:`give_up_alone` makes an
 averager end a search in which, for the last ``grace`` seconds, it read no other declared averager and no
 follower came: its step fails with :class:`NobodyElseLooking` at the next declared expiration, not at the
 deadline (item 30). A live groupmate declares itself as soon as it schedules its round, so one that still
@@ -43,6 +44,8 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from swarm.patches._registry import Patch
 
 LEADER_READS_EVERY = 0.025  # item 20: seconds between two reads of the declared averagers, at least
+LEADER_READS_QUIET = 0.25  # the same, once no peer that declares itself from then on can be the leader
+CLOCK_SKEW = 0.5  # seconds by which two peers' clocks may differ, allowed for in that judgement
 _CONTROL = "_swarm_set_target_group_size"  # the averager's method that the control pipe calls
 _ALONE = "_swarm_give_up_alone"  # the averager's method that the control pipe calls (item 30)
 
@@ -87,7 +90,16 @@ def give_up_alone(averager: Any, grace: float | None) -> None:
 
 class PacedReads:
     """A ``GroupKeyManager`` whose ``get_averagers`` waits until ``LEADER_READS_EVERY`` after its last read,
-    though never past the search's end (``leaders.search_end_time``); everything else is the key manager's."""
+    or ``LEADER_READS_QUIET`` once no averager that declares itself from now on can come before this one as a
+    leader, though never past the search's end (``leaders.search_end_time``); everything else is the key
+    manager's.
+
+    A peer reads to find a leader that comes before it: an earlier declared expiration. One that declares
+    itself from now on declares at least ``min_matchmaking_time`` from now
+    (``_declare_averager_periodically``, matchmaking.py:528-531), so once now + ``min_matchmaking_time`` is
+    past this peer's own declared expiration (less ``CLOCK_SKEW``), any newcomer finds this peer by its own
+    first read and joins it: this peer has nothing new to learn from reading but for a newcomer whose clock
+    runs behind, and reads slowly."""
 
     def __init__(self, key_manager: Any, leaders: Any) -> None:
         self._key_manager, self._leaders = key_manager, leaders
@@ -96,12 +108,19 @@ class PacedReads:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._key_manager, name)
 
+    def pause(self, now: float) -> float:
+        """Seconds to keep between this read and the last."""
+        leaders = self._leaders
+        outranked = now + leaders.min_matchmaking_time - CLOCK_SKEW >= leaders.declared_expiration_time
+        return LEADER_READS_QUIET if outranked else LEADER_READS_EVERY
+
     async def get_averagers(self, *args: Any, **kwargs: Any) -> Any:
         from hivemind.utils import get_dht_time
 
-        pause = self._last_read + LEADER_READS_EVERY - get_dht_time()
+        now = get_dht_time()
+        pause = self._last_read + self.pause(now) - now
         if pause > 0:
-            await asyncio.sleep(min(pause, max(0.0, self._leaders.search_end_time - get_dht_time())))
+            await asyncio.sleep(min(pause, max(0.0, self._leaders.search_end_time - now)))
         self._last_read = get_dht_time()
         found = await self._key_manager.get_averagers(*args, **kwargs)
         if any(peer != self._leaders.peer_id for peer, _ in found):

@@ -1,5 +1,6 @@
 """What swarm/patches/matchmaking.py changes: groups close once every live peer is in (item 1), and a waiting
-peer reads the declared averagers at most every LEADER_READS_EVERY (item 20), and a peer alone stops looking
+peer reads the declared averagers at most every LEADER_READS_EVERY, or LEADER_READS_QUIET once no newcomer can
+be its leader (item 20), and a peer alone stops looking
 after a grace (item 30). Each scenario runs on plain hivemind, where it shows the failure, and with the
 patch."""
 
@@ -133,6 +134,64 @@ def test_a_peer_waiting_for_a_groupmate_reads_the_declared_averagers_at_most_eve
         pauses = [began - ended for ended, began in zip(returned[:-1], reads[1:], strict=True)]
         assert min(gaps) < matchmaking.LEADER_READS_EVERY * 0.95, gaps
         assert sorted(pauses)[len(pauses) // 2] < 0.005, pauses
+
+
+QUIET_AFTER = 2.0  # item 20: seconds that peer A looks for a leader that no newcomer can come before
+
+
+@PLAIN_OR_PATCHED
+def test_a_peer_that_no_newcomer_can_lead_reads_the_declared_averagers_quietly(nodes, patched):
+    """Item 20, the quiet pace: peer A declared itself ``min_matchmaking_time`` (1 s) ahead, as a round not
+    scheduled ahead does, and waits for a groupmate still computing. A peer that declares itself from then on
+    declares at least as far ahead, later than A (matchmaking.py:528-531): it comes after A as a leader and
+    finds A by its own first read. So once A's expiration lies within ``min_matchmaking_time`` (less the
+    clock skew allowed) A reads every LEADER_READS_QUIET, not every LEADER_READS_EVERY; with plain hivemind,
+    back to back. B then declares itself, later than A, and A still takes no leader: B would join A."""
+    from hivemind.averaging.key_manager import GroupKeyManager
+    from hivemind.averaging.matchmaking import PotentialLeaders
+    from hivemind.utils import get_dht_time
+
+    a, b = nodes(2)
+    prefix = f"pytest-quiet-{patched}"
+    reads: list[float] = []  # when each read began, in dht time
+
+    async def scenario() -> float:
+        key_a = GroupKeyManager(a, prefix, initial_group_bits="", target_group_size=2)
+        key_b = GroupKeyManager(b, prefix, initial_group_bits="", target_group_size=2)
+        real = key_a.get_averagers
+
+        async def counted(*args, **kwargs):
+            reads.append(get_dht_time())
+            return await real(*args, **kwargs)
+
+        key_a.get_averagers = counted
+        leaders = PotentialLeaders(a.peer_id, min_matchmaking_time=1.0, target_group_size=2)
+        leaders.running.set()
+        leaders.search_end_time = get_dht_time() + 30.0
+        declared = leaders.declared_expiration_time = get_dht_time() + 1.0  # not scheduled ahead
+        updates = asyncio.create_task(leaders._update_queue_periodically(key_a))
+        popping = asyncio.create_task(leaders.pop_next_leader())
+        await asyncio.sleep(QUIET_AFTER)
+        await key_b.declare_averager(key_b.current_key, b.peer_id, expiration_time=get_dht_time() + 1.0)
+        await asyncio.sleep(0.5)
+        assert not popping.done()  # B comes after A: nobody to join
+        popping.cancel()
+        updates.cancel()
+        await asyncio.gather(popping, updates, return_exceptions=True)
+        return declared
+
+    with hivemind_as(patched):
+        declared = asyncio.run(scenario())
+    quiet_from = declared - 1.0 + matchmaking.CLOCK_SKEW  # from then on no newcomer comes before A
+    early = [t for t in reads if t < quiet_from]
+    late = [t for t in reads if t >= quiet_from]
+    gaps = [later - earlier for earlier, later in zip(late[:-1], late[1:], strict=True)]
+    assert len(early) >= 5 and len(late) >= 3, (len(early), len(late))
+    if patched:
+        assert min(gaps) >= matchmaking.LEADER_READS_QUIET * 0.95, gaps
+        assert len(late) <= (reads[-1] - quiet_from) / matchmaking.LEADER_READS_QUIET + 2, len(late)
+    else:
+        assert sorted(gaps)[len(gaps) // 2] < matchmaking.LEADER_READS_EVERY, gaps
 
 
 GRACE = 2.0  # item 30: seconds a peer looks for a group with nobody else declared before it gives up

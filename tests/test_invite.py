@@ -480,7 +480,7 @@ def test_the_member_book_reads_quietly_until_it_meets_a_key_without_a_member_rec
     monkeypatch.setattr(fence, "_member_reads", counted)
     a = _peer(invites["alice"], [], cleanup)
     book = fence.MemberBook(a.dht, load_invite(invites["alice"]))
-    book.period, book.quiet_period = 0.5, 5.0
+    book.period, book.quiet_period = 0.5, 30.0
     keep = progress.vouched_by(book, a.key)
     assert wait_until(lambda: len(book.current() or {}) == 1, timeout=20)
     known = len(reads)

@@ -1,6 +1,6 @@
-"""What swarm/patches/dht.py changes: the DHT process survives requests from processes that exit meanwhile.
-Each scenario runs on plain hivemind.DHT, where it shows the failure, and on the DHT of a swarm node
-(SwarmDHT).
+"""What swarm/patches/dht.py changes: the DHT process survives requests from processes that exit
+meanwhile, and a process hands it the pipe for its replies once, not with every request. Each scenario runs
+on plain hivemind.DHT, where it shows the failure, and on the DHT of a swarm node (SwarmDHT).
 
 A request to the DHT process carries the pipe for its reply, which the DHT process fetches from the sender's
 resource sharer (multiprocessing/resource_sharer.py) when it unpickles the request. A sender that exits
@@ -19,6 +19,7 @@ from multiprocessing import resource_sharer
 from multiprocessing.reduction import ForkingPickler
 
 import hivemind
+from hivemind.utils import get_dht_time
 
 from swarm.config import SwarmConfig
 from swarm.net.node import start_node
@@ -126,3 +127,65 @@ def test_a_request_whose_sender_has_gone_costs_the_dht_no_pause(patched):
             assert answered >= WAIT, answered
         else:
             assert answered < WAIT, answered
+
+
+async def _kept_reply_pipes(dht: SwarmDHT, node) -> list[int]:
+    """Run in the DHT process: the PIDs whose reply pipes it keeps."""
+    return sorted(pid for pid, _ in dht._inner_pipe.pipes)
+
+
+def _get_in_a_forked_process(dht: hivemind.DHT, key: str, told) -> None:
+    told.send(dht.get(key).value)
+
+
+@PLAIN_OR_PATCHED
+def test_a_process_hands_its_reply_pipe_to_the_dht_once(patched, monkeypatch):
+    """Every request to the DHT process carries the pipe for its reply, which hivemind hands over through the
+    sender's resource sharer each time (a descriptor duplicated and registered, then fetched over a socket of
+    its own and closed after the reply): with plain hivemind 40 requests register 40 descriptors. SwarmDHT
+    hands a process's reply pipe over with its first request and names it in the later ones: replies still
+    reach the process, its threads and a forked process, the DHT process keeps one pipe per sending process
+    and closes those of processes that ended once it keeps more than ``KEPT_PIPES`` (1 here)."""
+    from swarm.patches import dht as dht_patch
+
+    monkeypatch.setattr(dht_patch, "KEPT_PIPES", 1)  # read in the DHT process, which is forked below
+    sharer = resource_sharer._resource_sharer
+    registered = []
+    register = sharer.register
+
+    def counted(send, close):
+        registered.append(send)
+        return register(send, close)
+
+    context = mp.get_context("fork")
+    with _dht(patched) as dht:
+        expires = get_dht_time() + 600
+        for i in range(4):
+            assert dht.store(f"key{i}", i, expires)
+        monkeypatch.setattr(sharer, "register", counted)
+        answers: dict[int, list[int]] = {i: [] for i in range(4)}
+
+        def ask(i: int) -> None:
+            for _ in range(10):
+                answers[i].append(dht.get(f"key{i}").value)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert answers == {i: [i] * 10 for i in range(4)}
+        monkeypatch.setattr(sharer, "register", register)
+        if not patched:
+            assert len(registered) == 40, len(registered)
+            return
+        assert len(registered) <= 4, len(registered)  # once; at most once per thread that raced to be first
+        for i in (1, 2):  # two forked processes, each asks once and ends
+            ours, theirs = context.Pipe()
+            child = context.Process(target=_get_in_a_forked_process, args=(dht, f"key{i}", theirs))
+            child.start()
+            assert ours.poll(30) and ours.recv() == i
+            child.join(timeout=30)
+            assert child.exitcode == 0
+        assert dht.get("key3").value == 3
+        assert dht.run_coroutine(_kept_reply_pipes) == [os.getpid()]

@@ -20,16 +20,18 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
 
 from swarm.patches import SUPPORTED
-from swarm.procs import group_members, remove_stale_sockets, start_group, stop_group
+from swarm.procs import _bound_unix_paths, group_members, remove_stale_sockets, start_group, stop_group
 from tests.upstream.plugin import PIDS_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,6 +138,30 @@ def remove_shared_memory(pids: set[int], shm: Path = Path("/dev/shm")) -> int:
     return removed
 
 
+def temp_dirs(tmp: Path | None = None) -> set[str]:
+    """The names of multiprocessing's folders (``pymp-*``) in the temporary directory."""
+    return {path.name for path in Path(tmp or tempfile.gettempdir()).glob("pymp-*")}
+
+
+def remove_temp_dirs(before: set[str], tmp: Path | None = None) -> int:
+    """Remove the folders that multiprocessing made (``pymp-*``) in the temporary directory since ``before``
+    was taken and that no process uses any more (no socket in them is bound): each process makes one for its
+    resource sharer's socket and removes it at a normal exit, and hivemind's tests end many of theirs
+    abruptly (about 50 folders a run). Returns how many were removed."""
+    bound, own = _bound_unix_paths()
+    bound |= own
+    removed = 0
+    for path in Path(tmp or tempfile.gettempdir()).glob("pymp-*"):
+        if path.name in before or not path.is_dir():
+            continue
+        with contextlib.suppress(OSError):
+            if any(str(entry) in bound for entry in path.iterdir()):
+                continue
+            shutil.rmtree(path)
+            removed += 1
+    return removed
+
+
 def counts(record: dict) -> Counter:
     """Tests by outcome (passed, failed, skipped, xfailed, xpassed), as the plugin recorded them."""
     return Counter(record.get("outcomes", {}).values())
@@ -178,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     env["OMP_NUM_THREADS"] = "1"
     env[PIDS_ENV] = str(pids)
     print(" ".join(cmd), flush=True)
-    since = time.time()
+    since, folders = time.time(), temp_dirs()
     proc = start_group(cmd, env=env, cwd=ROOT)
     try:
         code = proc.wait(timeout=TOTAL_TIMEOUT_S)
@@ -193,12 +219,18 @@ def main(argv: list[str] | None = None) -> int:
         remove_stale_sockets(since=since, settle=2.0)  # also torch's shared-memory managers' 2 s to clean up
         ran = {int(x) for x in pids.read_text().split()} if pids.exists() else set()
         shared = remove_shared_memory(ran)
+        folders = remove_temp_dirs(folders)
     wall = time.monotonic() - started
     if leftovers:
         total = sum(leftovers.values())
         print(f"stopped {total} processes that hivemind's tests left running: {dict(leftovers)}", flush=True)
     if shared:
         print(f"removed {shared} shared-memory files that hivemind's tests left in /dev/shm", flush=True)
+    if folders:
+        print(
+            f"removed {folders} of multiprocessing's pymp-* folders that hivemind's tests left behind",
+            flush=True,
+        )
     if not junit.exists() or not record.exists():
         print("pytest stopped before its summary: no report", flush=True)
         return code or 1

@@ -148,8 +148,7 @@ def remove_temp_dirs(before: set[str], tmp: Path | None = None) -> int:
     was taken and that no process uses any more (no socket in them is bound): each process makes one for its
     resource sharer's socket and removes it at a normal exit, and hivemind's tests end many of theirs
     abruptly (about 50 folders a run). Returns how many were removed."""
-    bound, own = _bound_unix_paths()
-    bound |= own
+    bound, _ = _bound_unix_paths()
     removed = 0
     for path in Path(tmp or tempfile.gettempdir()).glob("pymp-*"):
         if path.name in before or not path.is_dir():
@@ -204,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     env["OMP_NUM_THREADS"] = "1"
     env[PIDS_ENV] = str(pids)
     print(" ".join(cmd), flush=True)
-    since, folders = time.time(), temp_dirs()
+    since, folders_before = time.time(), temp_dirs()
     proc = start_group(cmd, env=env, cwd=ROOT)
     try:
         code = proc.wait(timeout=TOTAL_TIMEOUT_S)
@@ -219,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         remove_stale_sockets(since=since, settle=2.0)  # also torch's shared-memory managers' 2 s to clean up
         ran = {int(x) for x in pids.read_text().split()} if pids.exists() else set()
         shared = remove_shared_memory(ran)
-        folders = remove_temp_dirs(folders)
+        folders = remove_temp_dirs(folders_before)
     wall = time.monotonic() - started
     if leftovers:
         total = sum(leftovers.values())

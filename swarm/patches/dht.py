@@ -20,7 +20,7 @@ request (nobody waits for its answer). Its requests are written by :class:`Reque
 process's reply pipe over once: its first request carries the pipe, later ones only name it, and
 :class:`RequestPipe` keeps the pipes it received, one per sending process. It is a subclass, used wherever
 swarm/net/node.py starts a DHT; nothing is replaced in the process that starts it. In its own process it also
-installs swarm/patches/auth.py's RPC wrapper.
+installs swarm/patches/auth.py's RPC wrapper and swarm/patches/dht_store.py's stores without a search.
 """
 
 from __future__ import annotations
@@ -148,9 +148,10 @@ class SwarmDHT(hivemind.DHT):
         self._outer_pipe = RequestSender(self._outer_pipe)
 
     def run(self) -> None:
-        from swarm.patches import auth
+        from swarm.patches import auth, dht_store
 
         auth.install_in_dht_process()  # this process's DHT RPCs check tokens against the channel's PeerID
+        dht_store.install_in_dht_process()  # a store in a small swarm goes to the known nodes, unsearched
         self._inner_pipe = RequestPipe(self._inner_pipe)
         super().run()
 

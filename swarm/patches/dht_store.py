@@ -1,0 +1,72 @@
+"""Stores in a small swarm (hivemind/dht/node.py): straight to the nearest nodes this node knows.
+
+**What hivemind does.** ``DHTNode.store_many`` (node.py:351-502) finds the ``num_replicas`` (5) nodes nearest
+to each key with a beam search, ``find_nearest_nodes`` with a ``found_callback`` (node.py:485-492, 278-333;
+dht/traverse.py), which asks the nodes of its beam (``bucket_size``, 20, of them) for their neighbours
+(``rpc_find``), one RPC per node, and only then stores the record on the nearest (``rpc_store``).
+
+**What goes wrong.** In a swarm that fits in one beam, as the volunteer swarms this tool is for do, every node
+already knows every other: each RPC a node receives adds its caller to the routing table (protocol.py:141,
+rpc_ping's callers and every store and find with its node info), and each node searched for its own
+neighbours when it joined (node.py:256). So the search of every store asks every node for what this node
+knew: in a swarm of 5 nodes, 4 ``rpc_find`` calls before the 4 ``rpc_store`` calls. A peer stores about six
+records per global epoch (its progress, its metrics, its matchmaking declarations), and half of what a store
+cost all DHT processes and daemons was that search (docs/benchmarks.md, "Stores without the search").
+
+**What this changes.** In the DHT process (:func:`install_in_dht_process`, called by
+``swarm.patches.dht.SwarmDHT.run``), a store whose node knows fewer nodes than a beam holds (its routing
+table, replacements included) takes the known nodes, nearest first, as the candidates for its replicas,
+without the search; ``store_many`` then stores on them as it does after a search, and moves on to the next
+candidate when one fails. A node that knows a beam's worth of nodes or more searches as hivemind does. Nodes
+go on learning of each other as before: from the RPCs they receive, from their gets (which search), and at
+their own join. Only stores change: gets and the join's search (``find_nearest_nodes`` without a
+``found_callback``) run as hivemind's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+_hivemind_find_nearest_nodes: Any = None
+
+
+async def find_nearest_nodes(
+    self: Any,
+    queries: Any,
+    k_nearest: int | None = None,
+    beam_size: int | None = None,
+    num_workers: int | None = None,
+    node_to_peer_id: dict | None = None,
+    exclude_self: bool = False,
+    **kwargs: Any,
+) -> dict:
+    """``DHTNode.find_nearest_nodes``; for a store (``found_callback`` and the routing table's nodes given, as
+    only ``store_many`` passes them) in a swarm that fits in the beam, the known nodes without a search."""
+    found = kwargs.get("found_callback")
+    beam = beam_size if beam_size is not None else max(self.protocol.bucket_size, k_nearest or 0)
+    known = len(self.protocol.routing_table.uid_to_peer_id)
+    if found is None or node_to_peer_id is None or known >= beam:
+        return await _hivemind_find_nearest_nodes(
+            self, queries, k_nearest, beam_size, num_workers, node_to_peer_id, exclude_self, **kwargs
+        )
+    candidates = {node: peer for node, peer in self._filter_blacklisted(dict(node_to_peer_id)).items()}
+    candidates.pop(self.node_id, None)  # store_many adds this node itself unless exclude_self
+    queries = tuple(queries)
+    nearest = {query: sorted(candidates, key=query.xor_distance) for query in queries}
+    await asyncio.gather(*(found(query, nearest[query], set(candidates)) for query in queries))
+    return {
+        query: {node: candidates[node] for node in nodes[: k_nearest or len(nodes)]}
+        for query, nodes in nearest.items()
+    }
+
+
+def install_in_dht_process() -> None:
+    """Make ``DHTNode.find_nearest_nodes`` skip a store's search in a swarm that fits in the beam. Call it in
+    the DHT's own process (it replaces a method of hivemind's class there, for the life of that process)."""
+    global _hivemind_find_nearest_nodes
+    from hivemind.dht.node import DHTNode
+
+    if _hivemind_find_nearest_nodes is None:
+        _hivemind_find_nearest_nodes = DHTNode.find_nearest_nodes
+    DHTNode.find_nearest_nodes = find_nearest_nodes

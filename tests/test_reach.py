@@ -127,8 +127,35 @@ def test_the_first_peer_that_dials_back_settles_the_check():
         nodes.append(newcomer)
         assert not newcomer.client_mode
         verdict = newcomer.reach
-        # the late one was not waited for: its call, cancelled, left no error (a timeout would have)
+        # the late one was not waited for: its call, cancelled, left no error (a timeout would have). The
+        # prompt one was asked once the late one had not answered for STAGGER seconds
         assert (verdict.asked, verdict.reached, verdict.errors) == (1, 1, []), verdict
+        assert verdict.sent == 2 and verdict.seconds >= reach.STAGGER, verdict
+    finally:
+        for node in reversed(nodes):
+            node.stop()
+        remove_stale_sockets(since=0, exclude_own=True, settle=1.0)
+
+
+def test_a_peer_that_the_first_peer_asked_dials_back_asks_no_other():
+    """A newcomer that knows three peers that can all dial it asks the first alone: its dial-back settles
+    the check, and the other two start no p2p daemon for it."""
+    nodes = []
+    try:
+        first = start_node(SwarmConfig(host_maddrs=LOOPBACK, run_id="reach-one"))
+        nodes.append(first)
+        entry = tuple(str(a) for a in first.dht.get_visible_maddrs())
+        joined = SwarmConfig(host_maddrs=LOOPBACK, run_id="reach-one", initial_peers=entry)
+        for _ in range(2):
+            nodes.append(start_node(joined))
+        known = tuple(str(n.dht.get_visible_maddrs()[0]) for n in nodes)
+        newcomer = start_node(
+            SwarmConfig(host_maddrs=LOOPBACK, run_id="reach-one", initial_peers=known), check_reach=True
+        )
+        nodes.append(newcomer)
+        verdict = newcomer.reach
+        assert (verdict.sent, verdict.asked, verdict.reached, verdict.errors) == (1, 1, 1, []), verdict
+        assert not newcomer.client_mode
     finally:
         for node in reversed(nodes):
             node.stop()

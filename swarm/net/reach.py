@@ -8,8 +8,11 @@ so it must run in client mode. Users rarely know which case they are in, so the 
    the DHT process). A caller sends the addresses it announces; the server starts a **fresh** p2p daemon
    (no listening address, no relay, so no existing connection or circuit can answer for the caller) and
    dials the caller's PeerID at those addresses, within :data:`DIAL_TIMEOUT` seconds.
-2. After joining, a new peer asks up to :data:`MAX_ASKED` of the peers it knows at once (:func:`check`); the
-   first that could dial it settles the check. If some answered and none could dial it,
+2. After joining, a new peer asks up to :data:`MAX_ASKED` of the peers it knows (:func:`check`), one after
+   another: the next is asked once those asked so far have all answered without dialling it, or after
+   :data:`STAGGER` seconds. The first that could dial it settles the check, so a peer that can be dialled
+   usually costs the swarm one dial-back (each starts a p2p daemon, about 0.6 s of CPU), not one per peer
+   asked. If some answered and none could dial it,
    :func:`swarm.net.node.start_node` restarts its DHT in client mode and logs
    one line that says why. If nobody could answer (an old version, or the first peer), nothing changes.
 
@@ -36,7 +39,8 @@ log = logging.getLogger(__name__)
 
 HANDLER = "swarm.reach.DialBack"  # the p2p protocol name other peers call: keep it
 DIAL_TIMEOUT = 5.0  # seconds for one dial-back (a TCP and TLS handshake across the internet)
-MAX_ASKED = 3  # peers asked at once
+MAX_ASKED = 3  # peers asked, at most
+STAGGER = 2.0  # seconds a dial-back question has before the next peer is asked too
 MAX_ADDRESSES = 4  # addresses dialled per check
 PER_PEER_PERIOD = 30.0  # seconds between two checks for the same PeerID
 MAX_CONCURRENT = 4  # dial-backs a server runs at once (each starts a p2p daemon for a few seconds)
@@ -48,6 +52,7 @@ class Verdict:
     """What the peers asked said about this peer's announced addresses."""
 
     addresses: list[str]
+    sent: int = 0  # peers asked, answered or not
     asked: int = 0  # peers that gave an answer
     reached: int = 0  # of those, how many could dial us
     why_not: list[str] = field(default_factory=list)  # what the peers that could not dial us saw
@@ -165,10 +170,23 @@ async def _ask(addresses: list[str], initial: list[str], every: bool, _dht: Any,
             verdict.why_not.append(str(answer.get("why")))
 
     # one peer that dialled this one settles it (reachable, whatever the others say); only a verdict of
-    # unreachable needs every answer: a small volunteer's start does not wait for its slowest groupmate. The
-    # other questions are left to end by themselves (within DIAL_TIMEOUT + 5 s), not cancelled: a call given
-    # up closes its stream, and the asked peer's handler would be cancelled in the middle of its dial-back
-    started, tasks = time.monotonic(), [asyncio.create_task(one(p)) for p in peers]
+    # unreachable needs every answer. The peers are asked one after another, each once the earlier ones have
+    # all answered without settling it or STAGGER seconds after the last question (every: all at once), so
+    # a small volunteer's start does not wait long for a slow peer. The other questions are left to end by
+    # themselves (within DIAL_TIMEOUT + 5 s), not cancelled: a call given up closes its stream, and the asked
+    # peer's handler would be cancelled in the middle of its dial-back
+    started, tasks = time.monotonic(), []
+    for peer in peers:
+        if verdict.reached and not every:
+            break
+        tasks.append(asyncio.create_task(one(peer)))
+        verdict.sent += 1
+        deadline = time.monotonic() + (0.0 if every else STAGGER)
+        while not verdict.reached:
+            unanswered, left = [t for t in tasks if not t.done()], deadline - time.monotonic()
+            if not unanswered or left <= 0:
+                break
+            await asyncio.wait(unanswered, timeout=left, return_when=asyncio.FIRST_COMPLETED)
     for answered in asyncio.as_completed(tasks):
         await answered
         if verdict.reached and not every:
@@ -182,7 +200,8 @@ async def _ask(addresses: list[str], initial: list[str], every: bool, _dht: Any,
 
 
 def check(dht: Any, every: bool = False) -> Verdict:
-    """Ask up to :data:`MAX_ASKED` known peers (the DHT's initial peers first) to dial its addresses, until
-    one could (``every``: wait for every answer, as ``swarm-peer status`` does to show them all)."""
+    """Ask up to :data:`MAX_ASKED` known peers (the DHT's initial peers first), one after another, to dial its
+    addresses, until one could (``every``: ask them all at once and wait for every answer, as ``swarm-peer
+    status`` does to show them all)."""
     addresses = [str(a) for a in dht.get_visible_maddrs()]
     return dht.run_coroutine(partial(_ask, addresses, [str(m) for m in dht.initial_peers or ()], every))

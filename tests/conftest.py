@@ -176,11 +176,14 @@ def _dht_nodes(started: float, cls: type | None = None):
 
 @pytest.fixture
 def dhts():
-    """``dhts(n)``: n DHT nodes, with every process-wide patch of swarm/patches installed for the test (and
-    taken out again after it): the averagers the test builds are forked with them."""
+    """``dhts(n)``: n DHT nodes of a swarm node (SwarmDHT, as swarm/net/node.py starts them), with every
+    process-wide patch of swarm/patches installed for the test (and taken out again after it): the averagers
+    the test builds are forked with them."""
+    from swarm.patches.dht import SwarmDHT
+
     started = time.time()
     with patches.installed():
-        yield from _dht_nodes(started)
+        yield from _dht_nodes(started, SwarmDHT)
 
 
 @pytest.fixture

@@ -100,10 +100,11 @@ def stop_group(proc: subprocess.Popen, grace: float = 15.0, sig: int = signal.SI
     their last user has gone and then exits by itself: killed, it left them in /dev/shm for good.
     """
     pgid = proc.pid
+    members = set(group_members(pgid))
     strays = [
         (pid, _start_time(pid))
         for pid in descendants(pgid)
-        if pid not in group_members(pgid) and not _shared_memory_manager(pid)
+        if pid not in members and not _shared_memory_manager(pid)
     ]
     try:
         if proc.poll() is None:

@@ -6,9 +6,9 @@ dht/traverse.py), which asks the nodes of its beam (``bucket_size``, 20, of them
 (``rpc_find``), one RPC per node, and only then stores the record on the nearest (``rpc_store``).
 
 **What goes wrong.** In a swarm that fits in one beam, as the volunteer swarms this tool is for do, every node
-already knows every other: each RPC a node receives adds its caller to the routing table (protocol.py:141,
-rpc_ping's callers and every store and find with its node info), and each node searched for its own
-neighbours when it joined (node.py:256). So the search of every store asks every node for what this node
+already knows every other: a store or find that a node receives adds its caller to the routing table
+(protocol.py:236 and 339, through ``rpc_ping``, 144-160), and each node searched for its own neighbours when
+it joined (node.py:256). So the search of every store asks every node for what this node
 knew: in a swarm of 5 nodes, 4 ``rpc_find`` calls before the 4 ``rpc_store`` calls. A peer stores about six
 records per global epoch (its progress, its metrics, its matchmaking declarations), and half of what a store
 cost all DHT processes and daemons was that search (docs/benchmarks.md, "Stores without the search").
@@ -50,7 +50,7 @@ async def find_nearest_nodes(
         return await _hivemind_find_nearest_nodes(
             self, queries, k_nearest, beam_size, num_workers, node_to_peer_id, exclude_self, **kwargs
         )
-    candidates = {node: peer for node, peer in self._filter_blacklisted(dict(node_to_peer_id)).items()}
+    candidates = self._filter_blacklisted(dict(node_to_peer_id))
     candidates.pop(self.node_id, None)  # store_many adds this node itself unless exclude_self
     queries = tuple(queries)
     nearest = {query: sorted(candidates, key=query.xor_distance) for query in queries}

@@ -17,7 +17,7 @@ from swarm.waiting import wait_until
 from tests.conftest import _dht_nodes
 from tests.patches.common import PLAIN_OR_PATCHED
 
-STORES = 4  # stores per phase; each asserts the same (about 100 requests in a row were 35 s in a busy suite)
+STORES = 4  # records stored per phase; each asserts the same
 _FINDS = [0]  # in each DHT process: the rpc_find calls it made (hivemind's DHTProtocol.call_find)
 
 

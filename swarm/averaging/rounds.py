@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 PARTS = ("matchmaking", "allreduce", "state", "update")
+POLL_MAX = 0.02  # seconds between two looks at a round's stage, at most
 
 
 class RoundClock:
@@ -81,8 +82,13 @@ class RoundClock:
         def wrapped(control: Any) -> Any:
             began = time.perf_counter()
             if control is not None:  # the trigger is set: wait until the group is there (or the round failed)
+                # only the split between the parts waits for this (the averager goes on by itself): polls
+                # from 1 ms, spaced out to POLL_MAX, so that a wait of seconds for a group (a round in the
+                # background, while the trainer computes) does not wake the process a thousand times a second
+                pause = 0.001
                 while not control.done() and control.stage in self._looking:
-                    time.sleep(0.001)
+                    time.sleep(pause)
+                    pause = min(pause * 1.5, POLL_MAX)
             found = time.perf_counter()
             fallbacks = getattr(self.opt.grad_averager, "local_fallbacks", 0)
             try:

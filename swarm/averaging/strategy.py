@@ -786,6 +786,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         assert self.guard is not None and self.hivemind_opt is not None
         self.resyncs += 1
         log.info("Resynchronising with the swarm %s", why)
+        self.hivemind_opt.state_averager.holds_own_state = False  # a whole state: its own may be what failed
         self.load_state_from_peers()
         if self.guard.finite():
             self.guard.save(self.local_epoch)

@@ -46,6 +46,10 @@ member of a state round takes the largest epoch it gathered, whatever its size.
   the optimizer's statistics, in slices at the same time (``rpc_download_state_part``); a slice that fails or
   comes from another epoch is asked of the donor, and a state put together that the screen or the check
   refuses is asked of the donor alone.
+- item 33: a peer that holds a state of its own (``holds_own_state``: it took an epoch's step or a
+  download) takes only the parameters from its donor where ``params_only_downloads`` says the rest is each
+  peer's own (DiLoCo's inner moments and outer momentum); its own extras and optimizer state complete the
+  state before hivemind applies it (:meth:`_with_own_statistics`).
 
 :func:`install` makes hivemind.Optimizer build this class (it reads the module-level name
 ``TrainingStateAverager`` of optim/optimizer.py:284). The class keeps hivemind's name: the p2p handlers'
@@ -203,6 +207,12 @@ class _SettledState:
         self.unhelpful: dict[str, float] = {}  # base58 -> monotonic time until which it helps no download
         self._swarm_helpers: list[bytes] = []  # item 31, in the averager process: the slices' other donors
         self._swarm_slices: list[tuple[int, int]] = []  # the slices: [start, stop) of the state's tensors
+        # item 33: where the extras and the optimizer's state are each peer's own (DiLoCo; the strategy sets
+        # it), a peer that holds a state of its own downloads the parameters alone; it holds one once it took
+        # an epoch's step or a download (the strategy clears it to take a whole state after a fault)
+        self.params_only_downloads = False
+        self.holds_own_state = False
+        self._swarm_params_only = False  # the download under way asked for the parameters alone
         super().__init__(*args, **kwargs)  # starts the thread that serves the state
         # a donor whose refused state shares nothing with the swarm's is banned only where the peers are meant
         # to hold one state: DiLoCo's peers (extra tensors: their inner moments) hold their groups' anchors,
@@ -222,7 +232,9 @@ class _SettledState:
         if not kwargs.get("increment_epoch"):
             return super().step(*args, **kwargs)
         with self._unsettled():
-            return super().step(*args, **kwargs)
+            result = super().step(*args, **kwargs)
+        self.holds_own_state = True  # item 33
+        return result
 
     @contextlib.contextmanager
     def _unsettled(self: Any) -> Any:
@@ -336,6 +348,7 @@ class _SettledState:
             return self._load_checked(**kwargs)
         finally:
             self.held_epoch = self.local_epoch
+            self.holds_own_state = self.holds_own_state or self.donor_answered  # item 33
             if self._swarm_arrived:
                 self._swarm_arrived = False
                 self._end_unsettled()
@@ -468,19 +481,25 @@ class _SettledState:
         if self.download_donors > 1 and len(ranked) > 1:
             self.check_download.read()  # which donors publish one state: the helpers' choice reads it
         tries = [(peer, epoch, True) for peer, epoch in ranked[:DONORS_TRIED]]
+        params_only = self.params_only_downloads and self.holds_own_state  # item 33
         while tries:
             donor, epoch, helped = tries.pop(0)
             name = donor.to_base58()
-            helpers = self._helpers(donor, epoch, ranked) if helped else []
-            slices = self._slices(1 + len(helpers)) if helpers else []
-            helpers = helpers[: max(0, len(slices) - 1)]
+            if params_only:  # one slice, the parameters, from the donor
+                helpers, slices = [], [(0, sum(len(g["params"]) for g in self.optimizer.param_groups))]
+            else:
+                helpers = self._helpers(donor, epoch, ranked) if helped else []
+                slices = self._slices(1 + len(helpers)) if helpers else []
+                helpers = helpers[: max(0, len(slices) - 1)]
             asked = ([donor.to_bytes()], {"helpers": [h.to_bytes() for h in helpers], "slices": slices})
             self._outer_pipe.send(("_swarm_ask_only", *asked))
             self.check_download.last_gap = None  # set by the check if it refuses this donor's state
+            self._swarm_params_only = params_only
             try:
                 with self.check_download.watching():
                     result, refused = self._load_screened(check=name, **kwargs)
             finally:
+                self._swarm_params_only = False
                 self._outer_pipe.send(("_swarm_ask_only", [None], {}))
             if self._swarm_unreachable is not None:  # item 32: gone; the next donor, if any
                 self.unreachable[name] = self._swarm_unreachable
@@ -511,7 +530,8 @@ class _SettledState:
         self: Any, donor: bytes | None, helpers: list[bytes] = (), slices: list[tuple[int, int]] = ()
     ) -> None:
         """Item 23, in the averager process: the next downloads ask only ``donor`` (None: any); item 31: with
-        ``helpers``, ``donor`` sends the first of ``slices`` and each helper one of the others."""
+        ``helpers``, ``donor`` sends the first of ``slices`` and each helper one of the others; item 33: one
+        slice and no helper, ``donor`` sends that slice alone."""
         self._swarm_only_donor = donor
         self._swarm_helpers, self._swarm_slices = list(helpers), [tuple(s) for s in slices]
 
@@ -606,10 +626,25 @@ class _SettledState:
                     return None
         return got[0][0], [t for _, tensors in got for t in tensors]
 
+    async def _swarm_fetch_one_slice(self: Any, peer: Any, timeout: float | None, part: tuple) -> Any:
+        """Item 33: the slice ``part`` of ``peer``'s state, or None if it did not come whole (a donor without
+        the slice RPC, a stream cut short); a donor that cannot be dialled raises, as a whole download
+        would."""
+        try:
+            got = await self._swarm_fetch(peer, timeout, part)
+        except Exception as exc:
+            if _dial_failed(exc):
+                raise
+            log.debug("Could not download a slice of the state from %s: %r", peer, exc)
+            return None
+        whole = got is not None and isinstance(got[0], dict) and len(got[1]) == part[1] - part[0]
+        return got if whole else None
+
     async def _load_state_from_peers(self: Any, future: Any, timeout: float | None = None) -> None:
         """hivemind's download (averager.py:684-736), from the one donor that ``_swarm_ask_only`` named if
         any (item 23): the same stream and parts, one peer; with helpers named too, in slices from several
-        donors at once (item 31), and whole from the donor if that fails. Runs in the averager process."""
+        donors at once (item 31), or one slice alone (item 33: the parameters), and whole from the donor if
+        that fails. Runs in the averager process."""
         only = self._swarm_only_donor
         if only is None:
             return await super()._load_state_from_peers(future, timeout=timeout)
@@ -620,7 +655,18 @@ class _SettledState:
         peer = PeerID(only)
         try:
             started, loaded = time.monotonic(), None
-            if len(self._swarm_slices) > 1:
+            if len(self._swarm_slices) == 1:  # item 33: the parameters alone
+                loaded = await self._swarm_fetch_one_slice(peer, timeout, self._swarm_slices[0])
+                if loaded is not None:
+                    log.info(
+                        "Downloaded the parameters from %s in %.3f s (this peer keeps its own optimizer "
+                        "state)",
+                        peer,
+                        time.monotonic() - started,
+                    )
+                else:
+                    log.info("The parameters did not come alone from %s; asking it for the whole state", peer)
+            elif len(self._swarm_slices) > 1:
                 loaded = await self._swarm_fetch_slices(peer, timeout)
                 if loaded is not None:
                     log.info(
@@ -716,6 +762,21 @@ class _SettledState:
             else:  # its caller says why (on_refused) and asks the next donor
                 refused = f"the state is not whole: {not_whole}"
         return result if check is None else (result, refused)
+
+    def _with_own_statistics(self: Any, loaded: tuple) -> tuple:
+        """Item 33: a download of the parameters alone, completed with this peer's own extras and optimizer
+        state (its own optimizer metadata with them), so that hivemind applies the donor's parameters and
+        leaves the rest as it is; anything else as it came (judged whole as before)."""
+        from hivemind.optim.state_averager import dump_optimizer_state
+
+        metadata, tensors = loaded if len(loaded) == 2 else (None, None)
+        count = sum(len(g["params"]) for g in self.optimizer.param_groups)
+        if not isinstance(metadata, dict) or not isinstance(tensors, list | tuple) or len(tensors) != count:
+            return loaded
+        with torch.no_grad(), self.lock_averaged_tensors:
+            own_metadata, own_opt = dump_optimizer_state(self.optimizer)
+            rest = [t.detach().clone() for t in self.extra_tensors] + [t.clone() for t in own_opt]
+        return dict(metadata, optimizer_metadata=own_metadata), [*tensors, *rest]
 
     def _restore_own_hyper(self: Any) -> None:
         """This peer's own hyperparameters back into the optimizer after a download (once per download)."""
@@ -820,7 +881,8 @@ def _beneath(averager: type) -> type:
     - ``load_state_from_peers`` (item 25): notes whether it returned a downloaded state; it sees what
       TrainingStateAverager.load_state_from_peers receives (state_averager.py:667) before that method applies
       the state, or drops it as older than this peer's own (state_averager.py:672); and (item 32) whether the
-      donor could not be dialled."""
+      donor could not be dialled; (item 33) a download of the parameters alone is completed with this peer's
+      own extras and optimizer state there."""
     from hivemind.utils import get_dht_time
 
     def step(self: Any, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
@@ -839,6 +901,8 @@ def _beneath(averager: type) -> type:
         if isinstance(loaded, Unreachable):  # item 32: nothing arrived; the caller asks the next donor
             self._swarm_unreachable = loaded.why
             return None
+        if isinstance(loaded, tuple) and self._swarm_params_only:  # item 33: the rest is this peer's own
+            loaded = self._with_own_statistics(loaded)
         if isinstance(loaded, tuple):
             self._swarm_not_whole = _not_whole(self, loaded)
             if self._swarm_not_whole is not None:  # item 29: dropped before hivemind applies any of it

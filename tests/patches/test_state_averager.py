@@ -1415,3 +1415,39 @@ def test_a_helper_at_another_epoch_or_without_the_slice_rpc_leaves_its_slice_to_
         assert not refused and not a.unhelpful and a.check_download.checked == 1, (refused, a.unhelpful)
     finally:
         _shutdown(a, b, c, d)
+
+
+@pytest.mark.parametrize("holds", [True, False], ids=["holds-its-own-state", "newcomer"])
+def test_a_peer_that_holds_its_own_state_downloads_the_parameters_alone(request, holds):
+    """Item 33. Where the extras and the optimizer's state are each peer's own (``params_only_downloads``,
+    DiLoCo's), a peer that holds a state of its own (it took an epoch's step or a download) takes only the
+    parameters from its donor B (epoch 5, extras 2) and keeps its own extras (1); a newcomer, which holds
+    none, takes B's whole state. Either way the parameters are checked and kept."""
+    honest = [p.detach().clone() for p in _layered_nets(1)[0].parameters()]
+    a, (b,), net, extras, refused = _helping(request, [dict(params=honest, extras=2, priority=6)], 1)
+    try:
+        a.params_only_downloads, a.holds_own_state = True, holds
+        a.load_state_from_peers(timeout=5)
+        assert a.local_epoch == 5 and not refused, refused
+        assert all(torch.equal(p.detach(), t) for p, t in zip(net.parameters(), honest, strict=True))
+        assert _values(extras) == [1.0 if holds else 2.0] * 3, _values(extras)
+        assert a.check_download.checked == 1 and a.check_download.refused == 0
+        assert a.holds_own_state
+    finally:
+        _shutdown(a, b)
+
+
+def test_a_donor_without_the_slice_rpc_sends_the_whole_state_to_a_peer_that_asked_for_the_parameters(request):
+    """Item 33. Donor B is hivemind's own state averager (a peer without the slice RPC): A, which asked for
+    the parameters alone, takes B's whole state instead, and refuses nobody."""
+    honest = [p.detach().clone() for p in _layered_nets(1)[0].parameters()]
+    donors = [dict(params=honest, extras=2, priority=6, plain=True)]
+    a, (b,), net, extras, refused = _helping(request, donors, 1)
+    try:
+        a.params_only_downloads = a.holds_own_state = True
+        a.load_state_from_peers(timeout=5)
+        assert a.local_epoch == 5 and not refused, refused
+        assert all(torch.equal(p.detach(), t) for p, t in zip(net.parameters(), honest, strict=True))
+        assert _values(extras) == [2.0] * 3, _values(extras)
+    finally:
+        _shutdown(a, b)

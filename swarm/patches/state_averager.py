@@ -46,10 +46,10 @@ member of a state round takes the largest epoch it gathered, whatever its size.
   the optimizer's statistics, in slices at the same time (``rpc_download_state_part``); a slice that fails or
   comes from another epoch is asked of the donor, and a state put together that the screen or the check
   refuses is asked of the donor alone.
-- item 33: a peer that holds a state of its own (``holds_own_state``: it took an epoch's step or a
-  download) takes only the parameters from its donor where ``params_only_downloads`` says the rest is each
-  peer's own (DiLoCo's inner moments and outer momentum); its own extras and optimizer state complete the
-  state before hivemind applies it (:meth:`_with_own_statistics`).
+- item 33: where ``keeps_own_extras`` says the extras are each peer's own (DiLoCo's inner moments), a peer
+  that holds a state of its own (``holds_own_state``: it took an epoch's step or a download) downloads the
+  parameters and the optimizer's statistics alone, and its own extras complete the state before hivemind
+  applies it (:meth:`_with_own_extras`).
 
 :func:`install` makes hivemind.Optimizer build this class (it reads the module-level name
 ``TrainingStateAverager`` of optim/optimizer.py:284). The class keeps hivemind's name: the p2p handlers'
@@ -80,6 +80,8 @@ REFUSE_FOR = 300.0  # item 23: seconds for which a donor whose state was refused
 # helps: a donor stores a changed epoch at most every DECLARE_EVERY seconds (item 18), so one declared epoch
 # behind is often the same state; the epochs that the slices arrive with are what is compared
 HELPER_EPOCHS_BEHIND = 1
+MAX_PARTS = 8  # item 33: slices that one request for parts of the state may name
+KEPT = "swarm-own-extras"  # item 33: the mark of a download that left this peer's extras out
 SKETCH_COLUMNS, SKETCH_DIRECTIONS = 1024, 4  # item 23: a state folded into 1024 sums, then 4 projections
 _ROLE_NAMES = {"PARAMETER": "parameters", "OPTIMIZER": "optimizer statistics"}
 
@@ -207,12 +209,12 @@ class _SettledState:
         self.unhelpful: dict[str, float] = {}  # base58 -> monotonic time until which it helps no download
         self._swarm_helpers: list[bytes] = []  # item 31, in the averager process: the slices' other donors
         self._swarm_slices: list[tuple[int, int]] = []  # the slices: [start, stop) of the state's tensors
-        # item 33: where the extras and the optimizer's state are each peer's own (DiLoCo; the strategy sets
-        # it), a peer that holds a state of its own downloads the parameters alone; it holds one once it took
-        # an epoch's step or a download (the strategy clears it to take a whole state after a fault)
-        self.params_only_downloads = False
+        # item 33: where the extras are each peer's own (DiLoCo's inner moments; the strategy sets it), a peer
+        # that holds a state of its own downloads the rest alone; it holds one once it took an epoch's step or
+        # a download (the strategy clears it to take a whole state after a fault)
+        self.keeps_own_extras = False
         self.holds_own_state = False
-        self._swarm_params_only = False  # the download under way asked for the parameters alone
+        self._swarm_kept: tuple[int, int] | None = None  # averager process: [start, stop) not asked for
         super().__init__(*args, **kwargs)  # starts the thread that serves the state
         # a donor whose refused state shares nothing with the swarm's is banned only where the peers are meant
         # to hold one state: DiLoCo's peers (extra tensors: their inner moments) hold their groups' anchors,
@@ -481,25 +483,26 @@ class _SettledState:
         if self.download_donors > 1 and len(ranked) > 1:
             self.check_download.read()  # which donors publish one state: the helpers' choice reads it
         tries = [(peer, epoch, True) for peer, epoch in ranked[:DONORS_TRIED]]
-        params_only = self.params_only_downloads and self.holds_own_state  # item 33
+        kept = None  # item 33: the extras, where they are this peer's own and it holds a state
+        if self.keeps_own_extras and self.holds_own_state and self.extra_tensors:
+            count = sum(len(g["params"]) for g in self.optimizer.param_groups)
+            kept = (count, count + len(self.extra_tensors))
         while tries:
             donor, epoch, helped = tries.pop(0)
             name = donor.to_base58()
-            if params_only:  # one slice, the parameters, from the donor
-                helpers, slices = [], [(0, sum(len(g["params"]) for g in self.optimizer.param_groups))]
-            else:
-                helpers = self._helpers(donor, epoch, ranked) if helped else []
-                slices = self._slices(1 + len(helpers)) if helpers else []
-                helpers = helpers[: max(0, len(slices) - 1)]
-            asked = ([donor.to_bytes()], {"helpers": [h.to_bytes() for h in helpers], "slices": slices})
+            helpers = self._helpers(donor, epoch, ranked) if helped and kept is None else []
+            slices = self._slices(1 + len(helpers)) if helpers else []
+            helpers = helpers[: max(0, len(slices) - 1)]
+            asked = (
+                [donor.to_bytes()],
+                {"helpers": [h.to_bytes() for h in helpers], "slices": slices, "kept": kept},
+            )
             self._outer_pipe.send(("_swarm_ask_only", *asked))
             self.check_download.last_gap = None  # set by the check if it refuses this donor's state
-            self._swarm_params_only = params_only
             try:
                 with self.check_download.watching():
                     result, refused = self._load_screened(check=name, **kwargs)
             finally:
-                self._swarm_params_only = False
                 self._outer_pipe.send(("_swarm_ask_only", [None], {}))
             if self._swarm_unreachable is not None:  # item 32: gone; the next donor, if any
                 self.unreachable[name] = self._swarm_unreachable
@@ -527,19 +530,26 @@ class _SettledState:
         return result
 
     async def _swarm_ask_only(
-        self: Any, donor: bytes | None, helpers: list[bytes] = (), slices: list[tuple[int, int]] = ()
+        self: Any,
+        donor: bytes | None,
+        helpers: list[bytes] = (),
+        slices: list[tuple[int, int]] = (),
+        kept: tuple[int, int] | None = None,
     ) -> None:
         """Item 23, in the averager process: the next downloads ask only ``donor`` (None: any); item 31: with
-        ``helpers``, ``donor`` sends the first of ``slices`` and each helper one of the others; item 33: one
-        slice and no helper, ``donor`` sends that slice alone."""
+        ``helpers``, ``donor`` sends the first of ``slices`` and each helper one of the others; item 33: with
+        ``kept``, ``donor`` sends every tensor but those (this peer's own extras)."""
         self._swarm_only_donor = donor
         self._swarm_helpers, self._swarm_slices = list(helpers), [tuple(s) for s in slices]
+        self._swarm_kept = None if kept is None else tuple(kept)
 
     async def rpc_download_state_part(self: Any, request: Any, context: Any) -> Any:
         """Item 31: the tensors ``start`` to ``stop`` (a msgpack dict in ``request.value``) of the state that
         ``rpc_download_state`` would send now, in the same stream format, the metadata (with its epoch) on the
-        first message; an empty slice sends the metadata alone. Runs in the averager process; its annotations
-        are set by :func:`state_averager_class` (hivemind registers a handler by them)."""
+        first message; an empty slice sends the metadata alone. Item 33: with ``parts`` (a list of [start,
+        stop]), those slices one after the other, of one copy of the state (``start`` and ``stop`` then name
+        the first, for a donor that reads only them). Runs in the averager process; its annotations are set
+        by :func:`state_averager_class` (hivemind registers a handler by them)."""
         from hivemind.compression import CompressionInfo
         from hivemind.proto import averaging_pb2
         from hivemind.utils.streaming import split_for_streaming
@@ -548,27 +558,32 @@ class _SettledState:
             return  # as rpc_download_state: the downloader asks another donor
         try:
             asked = self.serializer.loads(request.value)
-            start, stop = int(asked["start"]), int(asked["stop"])
+            parts = asked.get("parts") or [(asked["start"], asked["stop"])]
+            parts = [(int(start), int(stop)) for start, stop in parts[:MAX_PARTS]]
         except Exception:  # a malformed request
             return
+        if not all(0 <= start <= stop for start, stop in parts):
+            return
         metadata, tensors, infos = await self._get_current_state_from_host_process()
-        if not metadata or not 0 <= start <= stop:
+        if not metadata:
             return
         if infos is None:
             infos = [CompressionInfo.from_tensor(tensor, key=i) for i, tensor in enumerate(tensors)]
-        for tensor, info in zip(tensors[start:stop], infos[start:stop], strict=True):
-            compressed = self.state_compression.compress(tensor, info, allow_inplace=False)
-            for part in split_for_streaming(compressed):
-                yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata or b"")
-                metadata = None
+        for start, stop in parts:
+            for tensor, info in zip(tensors[start:stop], infos[start:stop], strict=True):
+                compressed = self.state_compression.compress(tensor, info, allow_inplace=False)
+                for piece in split_for_streaming(compressed):
+                    yield averaging_pb2.DownloadData(tensor_part=piece, metadata=metadata or b"")
+                    metadata = None
         if metadata:
             yield averaging_pb2.DownloadData(metadata=metadata)
 
     async def _swarm_fetch(
-        self: Any, peer: Any, timeout: float | None, part: tuple[int, int] | None = None
+        self: Any, peer: Any, timeout: float | None, part: tuple[int, int] | None = None, parts: Any = None
     ) -> Any:
         """(metadata, tensors) from ``peer``: its whole state (hivemind's ``rpc_download_state``, read as
-        averager.py:684-736 reads it), or the slice ``part`` of it (item 31); None if it sent no metadata."""
+        averager.py:684-736 reads it), or the slice ``part`` of it (item 31), or the slices ``parts`` of one
+        copy of it (item 33); None if it sent no metadata."""
         from google.protobuf import wrappers_pb2
         from hivemind.compression import deserialize_torch_tensor
         from hivemind.proto import averaging_pb2
@@ -576,10 +591,15 @@ class _SettledState:
         from hivemind.utils.streaming import combine_from_streaming
 
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        if parts is not None:
+            part = parts[0]
         if part is None:
             stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         else:
-            asked = self.serializer.dumps(dict(start=part[0], stop=part[1]))
+            asked = dict(start=part[0], stop=part[1])
+            if parts is not None:
+                asked["parts"] = [list(p) for p in parts]
+            asked = self.serializer.dumps(asked)
             stream = await stub.rpc_download_state_part(wrappers_pb2.BytesValue(value=asked))
         metadata, parts, tensors = None, [], []
         async for message in aiter_with_timeout(stream, timeout=timeout):
@@ -626,24 +646,31 @@ class _SettledState:
                     return None
         return got[0][0], [t for _, tensors in got for t in tensors]
 
-    async def _swarm_fetch_one_slice(self: Any, peer: Any, timeout: float | None, part: tuple) -> Any:
-        """Item 33: the slice ``part`` of ``peer``'s state, or None if it did not come whole (a donor without
-        the slice RPC, a stream cut short); a donor that cannot be dialled raises, as a whole download
-        would."""
+    async def _swarm_fetch_all_but(self: Any, peer: Any, timeout: float | None, kept: tuple[int, int]) -> Any:
+        """Item 33: ``peer``'s state without its tensors ``kept[0]`` to ``kept[1]``, as (metadata, tensors,
+        KEPT): two slices of one copy of its state, in one request; None if they did not come whole (a donor
+        without the slice RPC or without ``parts``, a stream cut short). A donor that cannot be dialled
+        raises, as a whole download would."""
         try:
-            got = await self._swarm_fetch(peer, timeout, part)
+            got = await self._swarm_fetch(peer, timeout, parts=[(0, kept[0]), (kept[1], 2**31)])
         except Exception as exc:
             if _dial_failed(exc):
                 raise
-            log.debug("Could not download a slice of the state from %s: %r", peer, exc)
+            log.debug("Could not download the state without its extras from %s: %r", peer, exc)
             return None
-        whole = got is not None and isinstance(got[0], dict) and len(got[1]) == part[1] - part[0]
-        return got if whole else None
+        metadata = got[0] if got is not None and isinstance(got[0], dict) else {}
+        entries = metadata.get("optimizer_metadata")
+        if not isinstance(entries, list):
+            return None
+        named = [e for e in entries if isinstance(e, dict) and e.get("type") == "tensor"]
+        if len(got[1]) != kept[0] + len(named):  # every parameter and every optimizer tensor it names
+            return None
+        return metadata, got[1], KEPT
 
     async def _load_state_from_peers(self: Any, future: Any, timeout: float | None = None) -> None:
         """hivemind's download (averager.py:684-736), from the one donor that ``_swarm_ask_only`` named if
         any (item 23): the same stream and parts, one peer; with helpers named too, in slices from several
-        donors at once (item 31), or one slice alone (item 33: the parameters), and whole from the donor if
+        donors at once (item 31), or without this peer's own extras (item 33), and whole from the donor if
         that fails. Runs in the averager process."""
         only = self._swarm_only_donor
         if only is None:
@@ -655,17 +682,19 @@ class _SettledState:
         peer = PeerID(only)
         try:
             started, loaded = time.monotonic(), None
-            if len(self._swarm_slices) == 1:  # item 33: the parameters alone
-                loaded = await self._swarm_fetch_one_slice(peer, timeout, self._swarm_slices[0])
+            if self._swarm_kept is not None:  # item 33: all but this peer's own extras
+                loaded = await self._swarm_fetch_all_but(peer, timeout, self._swarm_kept)
                 if loaded is not None:
                     log.info(
-                        "Downloaded the parameters from %s in %.3f s (this peer keeps its own optimizer "
-                        "state)",
+                        "Downloaded the parameters and optimizer statistics from %s in %.3f s (this peer "
+                        "keeps its own extra tensors)",
                         peer,
                         time.monotonic() - started,
                     )
                 else:
-                    log.info("The parameters did not come alone from %s; asking it for the whole state", peer)
+                    log.info(
+                        "The state without its extras did not come from %s; asking it for all of it", peer
+                    )
             elif len(self._swarm_slices) > 1:
                 loaded = await self._swarm_fetch_slices(peer, timeout)
                 if loaded is not None:
@@ -763,20 +792,15 @@ class _SettledState:
                 refused = f"the state is not whole: {not_whole}"
         return result if check is None else (result, refused)
 
-    def _with_own_statistics(self: Any, loaded: tuple) -> tuple:
-        """Item 33: a download of the parameters alone, completed with this peer's own extras and optimizer
-        state (its own optimizer metadata with them), so that hivemind applies the donor's parameters and
-        leaves the rest as it is; anything else as it came (judged whole as before)."""
-        from hivemind.optim.state_averager import dump_optimizer_state
-
-        metadata, tensors = loaded if len(loaded) == 2 else (None, None)
+    def _with_own_extras(self: Any, loaded: tuple) -> tuple:
+        """Item 33: a download without the extras (``_swarm_fetch_all_but``'s (metadata, tensors, KEPT)) as
+        the whole state, this peer's own extras in their place, so that hivemind applies the donor's
+        parameters and optimizer state and leaves the extras as they are."""
+        metadata, tensors, _ = loaded
         count = sum(len(g["params"]) for g in self.optimizer.param_groups)
-        if not isinstance(metadata, dict) or not isinstance(tensors, list | tuple) or len(tensors) != count:
-            return loaded
         with torch.no_grad(), self.lock_averaged_tensors:
-            own_metadata, own_opt = dump_optimizer_state(self.optimizer)
-            rest = [t.detach().clone() for t in self.extra_tensors] + [t.clone() for t in own_opt]
-        return dict(metadata, optimizer_metadata=own_metadata), [*tensors, *rest]
+            own = [t.detach().clone() for t in self.extra_tensors]
+        return metadata, [*tensors[:count], *own, *tensors[count:]]
 
     def _restore_own_hyper(self: Any) -> None:
         """This peer's own hyperparameters back into the optimizer after a download (once per download)."""
@@ -881,8 +905,7 @@ def _beneath(averager: type) -> type:
     - ``load_state_from_peers`` (item 25): notes whether it returned a downloaded state; it sees what
       TrainingStateAverager.load_state_from_peers receives (state_averager.py:667) before that method applies
       the state, or drops it as older than this peer's own (state_averager.py:672); and (item 32) whether the
-      donor could not be dialled; (item 33) a download of the parameters alone is completed with this peer's
-      own extras and optimizer state there."""
+      donor could not be dialled; (item 33) a download without the extras gets this peer's own there."""
     from hivemind.utils import get_dht_time
 
     def step(self: Any, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
@@ -901,8 +924,8 @@ def _beneath(averager: type) -> type:
         if isinstance(loaded, Unreachable):  # item 32: nothing arrived; the caller asks the next donor
             self._swarm_unreachable = loaded.why
             return None
-        if isinstance(loaded, tuple) and self._swarm_params_only:  # item 33: the rest is this peer's own
-            loaded = self._with_own_statistics(loaded)
+        if isinstance(loaded, tuple) and len(loaded) == 3 and loaded[2] == KEPT:  # item 33
+            loaded = self._with_own_extras(loaded)
         if isinstance(loaded, tuple):
             self._swarm_not_whole = _not_whole(self, loaded)
             if self._swarm_not_whole is not None:  # item 29: dropped before hivemind applies any of it

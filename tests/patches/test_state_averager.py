@@ -1417,34 +1417,47 @@ def test_a_helper_at_another_epoch_or_without_the_slice_rpc_leaves_its_slice_to_
         _shutdown(a, b, c, d)
 
 
+def _momenta(averager, value: float | None = None) -> list[float]:
+    """The first number of each SGD momentum buffer of ``averager``'s optimizer (set to ``value`` first)."""
+    params = [p for g in averager.optimizer.param_groups for p in g["params"]]
+    if value is not None:
+        with torch.no_grad(), averager.lock_averaged_tensors:
+            for p in params:
+                averager.optimizer.state[p]["momentum_buffer"] = torch.full_like(p, value)
+    return [float(averager.optimizer.state[p]["momentum_buffer"].flatten()[0]) for p in params]
+
+
 @pytest.mark.parametrize("holds", [True, False], ids=["holds-its-own-state", "newcomer"])
-def test_a_peer_that_holds_its_own_state_downloads_the_parameters_alone(request, holds):
-    """Item 33. Where the extras and the optimizer's state are each peer's own (``params_only_downloads``,
-    DiLoCo's), a peer that holds a state of its own (it took an epoch's step or a download) takes only the
-    parameters from its donor B (epoch 5, extras 2) and keeps its own extras (1); a newcomer, which holds
-    none, takes B's whole state. Either way the parameters are checked and kept."""
+def test_a_peer_that_holds_its_own_state_downloads_all_but_its_own_extras(request, holds):
+    """Item 33. Where the extras are each peer's own (``keeps_own_extras``: DiLoCo's inner moments), a peer
+    that holds a state of its own (it took an epoch's step or a download) takes the parameters and the
+    optimizer's statistics (SGD momenta 7; its own 3) from its donor B (epoch 5, extras 2) and keeps its own
+    extras (1); a newcomer, which holds none, takes B's whole state. Either way the parameters are checked
+    and kept."""
     honest = [p.detach().clone() for p in _layered_nets(1)[0].parameters()]
     a, (b,), net, extras, refused = _helping(request, [dict(params=honest, extras=2, priority=6)], 1)
     try:
-        a.params_only_downloads, a.holds_own_state = True, holds
+        _momenta(b, 7.0), _momenta(a, 3.0)  # hivemind loads the statistics that this peer's optimizer holds
+        a.keeps_own_extras, a.holds_own_state = True, holds
         a.load_state_from_peers(timeout=5)
         assert a.local_epoch == 5 and not refused, refused
         assert all(torch.equal(p.detach(), t) for p, t in zip(net.parameters(), honest, strict=True))
         assert _values(extras) == [1.0 if holds else 2.0] * 3, _values(extras)
+        assert _momenta(a) == [7.0] * 6
         assert a.check_download.checked == 1 and a.check_download.refused == 0
         assert a.holds_own_state
     finally:
         _shutdown(a, b)
 
 
-def test_a_donor_without_the_slice_rpc_sends_the_whole_state_to_a_peer_that_asked_for_the_parameters(request):
+def test_a_donor_without_the_slice_rpc_sends_the_whole_state_to_a_peer_that_keeps_its_extras(request):
     """Item 33. Donor B is hivemind's own state averager (a peer without the slice RPC): A, which asked for
-    the parameters alone, takes B's whole state instead, and refuses nobody."""
+    all but its own extras, takes B's whole state instead, and refuses nobody."""
     honest = [p.detach().clone() for p in _layered_nets(1)[0].parameters()]
     donors = [dict(params=honest, extras=2, priority=6, plain=True)]
     a, (b,), net, extras, refused = _helping(request, donors, 1)
     try:
-        a.params_only_downloads = a.holds_own_state = True
+        a.keeps_own_extras = a.holds_own_state = True
         a.load_state_from_peers(timeout=5)
         assert a.local_epoch == 5 and not refused, refused
         assert all(torch.equal(p.detach(), t) for p, t in zip(net.parameters(), honest, strict=True))

@@ -233,6 +233,21 @@ class DonorCheck:
                     agree.append(peer)
         return agree
 
+    def margin(self, donor: str) -> int:
+        """How many more votes the state that ``donor`` (its PeerID, base58) published at its newest published
+        epoch has than the most-published other state of that epoch, as :meth:`judge` would count them now
+        (this peer's own record left out): >= 0 if a download of it would be kept as the records stand, < 0 if
+        refused; 0 for a donor without a record. The download asks donors of one epoch in this order."""
+        own = self.voters.get(self.own, self.own)
+        with self._lock:
+            mine = self.voters.get(donor, donor)
+            held = [epoch for epoch, votes in self.sketches.items() if mine in votes]
+            if not held:
+                return 0
+            votes = {p: s for p, s in self.sketches[max(held)].items() if p != own}
+        same, rival, _ = _tally(votes[mine], votes)
+        return len(same) - rival
+
     def astray(self, epoch: int, sketch: list[float]) -> str | None:
         """Why this peer's own state of global ``epoch`` (its sketch ``sketch``) is the one astray, or None.
 

@@ -379,10 +379,12 @@ class _SettledState:
     def _donors(self: Any) -> list[Any]:
         """Item 23: the donors that declared themselves in the DHT, newest epoch first, without this peer, the
         donors refused lately and the groupmates this peer banned (item 21: its averagers would not call
-        them). At one epoch, the donors whose gradients this peer's rounds judged closest to the others' come
-        first (the average of their last judged scales, swarm/suspects.py; 1 for a peer never judged), then
-        in random order, as hivemind's (averager.py:689-702): a groupmate whose gradients were clipped round
-        after round, not yet banned, is asked last."""
+        them). At one epoch, with the download check, the donors whose published state has the most votes
+        first (item 34, ``DonorCheck.margin``: the check would refuse the others), then those whose gradients
+        this peer's rounds judged closest to the others' (the average of their last judged scales,
+        swarm/suspects.py; 1 for a peer never judged), then in random order, as hivemind's
+        (averager.py:689-702): a groupmate whose gradients were clipped round after round, not yet banned, is
+        asked last."""
         return [peer for peer, _ in self._ranked_donors()]
 
     def _ranked_donors(self: Any) -> list[tuple[Any, float]]:
@@ -404,7 +406,9 @@ class _SettledState:
             if held is not None and held.banned_for > 0:
                 continue
             trust = held.recent_scale if held is not None else 1.0
-            ranked.append(((epoch, trust, random.random()), peer))
+            # item 34: at one epoch, the donors whose state most peers published first (the check keeps those)
+            margin = self.check_download.margin(name) if self.check_download is not None else 0
+            ranked.append(((epoch, margin, trust, random.random()), peer))
         return [(peer, key[0]) for key, peer in sorted(ranked, key=lambda x: x[0], reverse=True)]
 
     def _helpers(self: Any, donor: Any, epoch: float, ranked: list[tuple[Any, float]]) -> list[Any]:
@@ -479,9 +483,8 @@ class _SettledState:
         at once, so that only the state it sends itself is held against it."""
         result = None
         self.unreachable = {}
+        self.check_download.read()  # which donors publish which state: the order of the donors reads it
         ranked = self._ranked_donors()
-        if self.download_donors > 1 and len(ranked) > 1:
-            self.check_download.read()  # which donors publish one state: the helpers' choice reads it
         tries = [(peer, epoch, True) for peer, epoch in ranked[:DONORS_TRIED]]
         kept = None  # item 33: the extras, where they are this peer's own and it holds a state
         if self.keeps_own_extras and self.holds_own_state and self.extra_tensors:

@@ -1464,3 +1464,26 @@ def test_a_donor_without_the_slice_rpc_sends_the_whole_state_to_a_peer_that_keep
         assert _values(extras) == [2.0] * 3, _values(extras)
     finally:
         _shutdown(a, b)
+
+
+def test_at_one_epoch_a_download_asks_first_the_donor_whose_state_most_peers_published(request):
+    """Item 34. Donors B, C and D declare epoch 5; B's parameters are also published by three other peers'
+    records, C's and D's (0.5 and -0.5 further on every number: DiLoCo peers of other groups) by their own
+    records alone. The check keeps only B's, so A asks B first (by chance one time in three before): nothing
+    is refused."""
+    honest = [p.detach().clone() for p in _layered_nets(1)[0].parameters()]
+    donors = [
+        dict(params=honest, extras=2, priority=5),
+        dict(params=[t + 0.5 for t in honest], extras=3, priority=5),
+        dict(params=[t - 0.5 for t in honest], extras=4, priority=5),
+    ]
+    a, built, net, extras, refused = _helping(request, donors, 1)
+    try:
+        a.check_download.read()
+        assert [a.check_download.margin(b.peer_id.to_base58()) for b in built] == [3, -3, -3]
+        a.load_state_from_peers(timeout=5)
+        assert a.local_epoch == 5 and not refused, refused
+        assert all(torch.equal(p.detach(), t) for p, t in zip(net.parameters(), honest, strict=True))
+        assert a.check_download.refused == 0 and a.check_download.checked == 1
+    finally:
+        _shutdown(a, *built)

@@ -582,10 +582,10 @@ class _SettledState:
             yield averaging_pb2.DownloadData(metadata=metadata)
 
     async def _swarm_fetch(
-        self: Any, peer: Any, timeout: float | None, part: tuple[int, int] | None = None, parts: Any = None
+        self: Any, peer: Any, timeout: float | None, part: tuple[int, int] | None = None, ranges: Any = None
     ) -> Any:
         """(metadata, tensors) from ``peer``: its whole state (hivemind's ``rpc_download_state``, read as
-        averager.py:684-736 reads it), or the slice ``part`` of it (item 31), or the slices ``parts`` of one
+        averager.py:684-736 reads it), or the slice ``part`` of it (item 31), or the slices ``ranges`` of one
         copy of it (item 33); None if it sent no metadata."""
         from google.protobuf import wrappers_pb2
         from hivemind.compression import deserialize_torch_tensor
@@ -594,14 +594,14 @@ class _SettledState:
         from hivemind.utils.streaming import combine_from_streaming
 
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-        if parts is not None:
-            part = parts[0]
+        if ranges is not None:
+            part = ranges[0]
         if part is None:
             stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         else:
             asked = dict(start=part[0], stop=part[1])
-            if parts is not None:
-                asked["parts"] = [list(p) for p in parts]
+            if ranges is not None:
+                asked["parts"] = [list(r) for r in ranges]
             asked = self.serializer.dumps(asked)
             stream = await stub.rpc_download_state_part(wrappers_pb2.BytesValue(value=asked))
         metadata, parts, tensors = None, [], []
@@ -655,7 +655,7 @@ class _SettledState:
         without the slice RPC or without ``parts``, a stream cut short). A donor that cannot be dialled
         raises, as a whole download would."""
         try:
-            got = await self._swarm_fetch(peer, timeout, parts=[(0, kept[0]), (kept[1], 2**31)])
+            got = await self._swarm_fetch(peer, timeout, ranges=[(0, kept[0]), (kept[1], 2**31)])
         except Exception as exc:
             if _dial_failed(exc):
                 raise

@@ -651,23 +651,22 @@ class _SettledState:
 
     async def _swarm_fetch_all_but(self: Any, peer: Any, timeout: float | None, kept: tuple[int, int]) -> Any:
         """Item 33: ``peer``'s state without its tensors ``kept[0]`` to ``kept[1]``, as (metadata, tensors,
-        KEPT): two slices of one copy of its state, in one request; None if they did not come whole (a donor
-        without the slice RPC or without ``parts``, a stream cut short). A donor that cannot be dialled
-        raises, as a whole download would."""
+        KEPT): two slices of one copy of its state, in one request; else why they did not come whole (a str:
+        a donor without the slice RPC or without ``parts``, a stream cut short). A donor that cannot be
+        dialled raises, as a whole download would."""
         try:
             got = await self._swarm_fetch(peer, timeout, ranges=[(0, kept[0]), (kept[1], 2**31)])
         except Exception as exc:
             if _dial_failed(exc):
                 raise
-            log.debug("Could not download the state without its extras from %s: %r", peer, exc)
-            return None
+            return f"{type(exc).__name__}: {str(exc)[:120]}" if str(exc) else type(exc).__name__
         metadata = got[0] if got is not None and isinstance(got[0], dict) else {}
         entries = metadata.get("optimizer_metadata")
         if not isinstance(entries, list):
-            return None
+            return "no state was sent" if got is None else "its metadata is malformed"
         named = [e for e in entries if isinstance(e, dict) and e.get("type") == "tensor"]
         if len(got[1]) != kept[0] + len(named):  # every parameter and every optimizer tensor it names
-            return None
+            return f"{len(got[1])} tensors came of {kept[0] + len(named)}"
         return metadata, got[1], KEPT
 
     async def _load_state_from_peers(self: Any, future: Any, timeout: float | None = None) -> None:
@@ -687,7 +686,7 @@ class _SettledState:
             started, loaded = time.monotonic(), None
             if self._swarm_kept is not None:  # item 33: all but this peer's own extras
                 loaded = await self._swarm_fetch_all_but(peer, timeout, self._swarm_kept)
-                if loaded is not None:
+                if not isinstance(loaded, str):
                     log.info(
                         "Downloaded the parameters and optimizer statistics from %s in %.3f s (this peer "
                         "keeps its own extra tensors)",
@@ -696,8 +695,11 @@ class _SettledState:
                     )
                 else:
                     log.info(
-                        "The state without its extras did not come from %s; asking it for all of it", peer
+                        "The state without its extras did not come from %s (%s); asking it for all of it",
+                        peer,
+                        loaded,
                     )
+                    loaded = None
             elif len(self._swarm_slices) > 1:
                 loaded = await self._swarm_fetch_slices(peer, timeout)
                 if loaded is not None:

@@ -760,7 +760,10 @@ class _SettledState:
             self._restore_own_hyper()  # a download that ended before the scheduler's catch-up
             after = list(self._local_tensors())
             _, opt_after = dump_optimizer_state(self.optimizer)
-            loaded = self.local_epoch != epoch or _changed(before, after) or _changed(opt_before, opt_after)
+            # judged only if a state arrived: this peer's own state may change while a download runs (a DiLoCo
+            # round in the background lands), and judging that as a download undid it and refused the donor
+            changed = self.local_epoch != epoch or _changed(before, after) or _changed(opt_before, opt_after)
+            loaded = received and changed
             if loaded and self.screen is not None:
                 reason = self.screen.judge_state(
                     before,

@@ -1487,3 +1487,34 @@ def test_at_one_epoch_a_download_asks_first_the_donor_whose_state_most_peers_pub
         assert a.check_download.refused == 0 and a.check_download.checked == 1
     finally:
         _shutdown(a, *built)
+
+
+def test_a_download_that_brings_nothing_leaves_a_change_of_this_peers_own_state_unjudged(request):
+    """Item 23. A (at epoch 5, its parameters 0) downloads from B (epoch 6), which is in an epoch's step and
+    sends nothing. While A waits, A's own parameters change (+1: a DiLoCo round in the background landing).
+    No state arrived, so nothing is judged: A keeps its change, and B is not refused. (Judged as a download,
+    A's own state, which the three records of epoch 5 contradict, was undone and B refused.)"""
+    honest = [p.detach().clone() for p in _layered_nets(1)[0].parameters()]
+    a, (b,), net, extras, refused = _helping(request, [dict(params=honest, extras=2, priority=6, epoch=6)], 1)
+    try:
+        a.local_epoch = 5
+        b._swarm_settled.clear()  # B is in an epoch's step: it serves no state (after half a chunk timeout)
+        reads, read = [], a.check_download.read
+
+        def read_and_change() -> None:
+            read()
+            reads.append(time.monotonic())
+            if len(reads) == 3:  # the download's watcher, a second into it
+                with torch.no_grad():
+                    for p in net.parameters():
+                        p.add_(1.0)
+
+        a.check_download.read = read_and_change
+        a.load_state_from_peers(timeout=5)
+        assert len(reads) >= 3, reads
+        assert not refused and not a.refused_donors, (refused, a.refused_donors)
+        assert a.local_epoch == 5 and a.check_download.refused == 0
+        assert all(torch.equal(p.detach(), torch.ones_like(p)) for p in net.parameters())
+    finally:
+        b._swarm_settled.set()
+        _shutdown(a, b)

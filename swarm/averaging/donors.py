@@ -129,13 +129,13 @@ class DonorCheck:
     @contextmanager
     def watching(self) -> Iterator[None]:
         """Read the swarm's records every ``WATCH_EVERY`` seconds while the body (a download) runs: a long
-        download outlasts the few epochs that a record carries."""
+        download outlasts the few epochs that a record carries. The first read comes ``WATCH_EVERY`` in: the
+        download reads the records just before, to choose its donor, and the judgement reads them again."""
         done = threading.Event()
 
         def watch() -> None:
-            while not done.is_set():
+            while not done.wait(WATCH_EVERY):
                 self.read()
-                done.wait(WATCH_EVERY)
 
         watcher = threading.Thread(target=watch, name="donor-check", daemon=True)
         watcher.start()

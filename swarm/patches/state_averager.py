@@ -319,7 +319,7 @@ class _SettledState:
         (optim/state_averager.py:600); the bad_state fault (swarm/faults.py) then changes the parameters."""
         super()._load_local_tensors_into_averager_()
         if self.round_filter is not None and not self.reuse_tensors:
-            count = sum(len(g["params"]) for g in self.optimizer.param_groups)
+            count = self._parameter_count()
             with torch.no_grad(), self.get_tensors() as sent:
                 bad = self.round_filter([t.detach().cpu().clone() for t in sent[:count]], self.local_epoch)
                 for tensor, value in zip(sent[:count], bad, strict=True):
@@ -488,7 +488,7 @@ class _SettledState:
         tries = [(peer, epoch, True) for peer, epoch in ranked[:DONORS_TRIED]]
         kept = None  # item 33: the extras, where they are this peer's own and it holds a state
         if self.keeps_own_extras and self.holds_own_state and self.extra_tensors:
-            count = sum(len(g["params"]) for g in self.optimizer.param_groups)
+            count = self._parameter_count()
             kept = (count, count + len(self.extra_tensors))
         while tries:
             donor, epoch, helped = tries.pop(0)
@@ -773,7 +773,7 @@ class _SettledState:
                     wholes={"optimizer state": (opt_before, opt_after)},
                 )
             if loaded and check is not None:
-                params = after[: sum(len(g["params"]) for g in self.optimizer.param_groups)]
+                params = after[: self._parameter_count()]
                 refused = reason or self.check_download.judge(self.local_epoch, state_sketch(params), check)
             if reason is not None or refused is not None:
                 load_optimizer_state(self.optimizer, opt_metadata, opt_before)
@@ -800,12 +800,16 @@ class _SettledState:
                 refused = f"the state is not whole: {not_whole}"
         return result if check is None else (result, refused)
 
+    def _parameter_count(self: Any) -> int:
+        """How many parameter tensors the state begins with (the optimizer's, in its groups' order)."""
+        return sum(len(g["params"]) for g in self.optimizer.param_groups)
+
     def _with_own_extras(self: Any, loaded: tuple) -> tuple:
         """Item 33: a download without the extras (``_swarm_fetch_all_but``'s (metadata, tensors, KEPT)) as
         the whole state, this peer's own extras in their place, so that hivemind applies the donor's
         parameters and optimizer state and leaves the extras as they are."""
         metadata, tensors, _ = loaded
-        count = sum(len(g["params"]) for g in self.optimizer.param_groups)
+        count = self._parameter_count()
         with torch.no_grad(), self.lock_averaged_tensors:
             own = [t.detach().clone() for t in self.extra_tensors]
         return metadata, [*tensors[:count], *own, *tensors[count:]]

@@ -1504,7 +1504,7 @@ def test_a_download_that_brings_nothing_leaves_a_change_of_this_peers_own_state_
         def read_and_change() -> None:
             read()
             reads.append(time.monotonic())
-            if len(reads) == 3:  # the download's watcher, a second into it
+            if len(reads) == 3:  # the download's watcher, two seconds into it (B answers after five)
                 with torch.no_grad():
                     for p in net.parameters():
                         p.add_(1.0)

@@ -477,6 +477,17 @@ def test_a_sender_whose_gradient_points_against_the_reducers_own_is_banned_by_di
         _, (a, b) = _gradients(seed=400 + seed, count=2, noise=1.4, size=2_000)
         reduce([a, -b], ["own", "paired"])
     assert table.get("paired").bans == 1, table.get("paired")
+    # later in training honest cosines average 0.1-0.2 and a flip as far below zero: one about -0.2 (noise 2)
+    # is banned after as many rounds, an honest groupmate at 0.05 (noise 4.4) is not in 200
+    for seed in range(200):
+        _, (a, b, c) = _gradients(seed=600 + seed, count=3, noise=2.0, size=20_000)
+        _, (d, e) = _gradients(seed=900 + seed, count=2, noise=4.4, size=20_000)
+        reduce([a, b, -c], ["own", "later", "flipped later"])
+        reduce([d, e], ["own", "honest late"])
+        if seed == suspects.DIR_WINDOW - 1:
+            late = table.get("flipped later")
+            assert late.bans == 1 and -0.25 < late.ban_direction <= suspects.DIR_BELOW, late
+    assert table.get("later").bans == 0 and table.get("honest late").bans == 0, table.suspects()
 
 
 def test_a_sender_whose_gradient_is_unrelated_to_the_reducers_own_is_banned(monkeypatch):
@@ -534,7 +545,7 @@ def test_a_sender_whose_gradient_is_unrelated_to_the_reducers_own_is_banned(monk
 def test_another_peers_ban_halves_the_evidence_a_groupmates_directions_need(monkeypatch):
     """Where another peer publishes a ban of a groupmate (swarm/suspects.py ``saw_banned``), this peer's
     reducer bans it after SEEN_UNRELATED_ROUNDS unrelated rounds in a row (not UNRELATED_ROUNDS) or once
-    its last SEEN_DIR_WINDOW cosines average DIR_BELOW or less: its own rounds still decide. An honest
+    its last SEEN_DIR_WINDOW cosines average SEEN_DIR_BELOW or less: its own rounds still decide. An honest
     groupmate that an attacker accuses (cosines about 0.1, as late in training) is not banned in 200 rounds
     of three and of two."""
     reduce, size = _judging_reducer(monkeypatch), 20_000

@@ -61,13 +61,16 @@ random direction of an honest norm. Direction can, over many rounds:
   in the last). But an honest gradient is a noisy estimate of the same descent direction as this peer's,
   so its cosine with this peer's own averages zero or more however noisy it is (a smaller batch, late in
   training), and a gradient times -1 averages as far below zero as honest ones lie above it (-0.2 to -0.8
-  in the attack bench early on; -0.10 to -0.16 per 20 s late in a run, where honest pairs averaged 0.09 to
-  0.24). A groupmate whose last ``DIR_WINDOW`` (16) cosines average ``DIR_BELOW`` (-0.15) or less is banned;
-  the lowest mean of 16 in a row was -0.01 in that demo and -0.05 over 30 honest pairs of the attack bench's
-  runs (2,700 judged rounds), while every x -1 attacker's fell to -0.21 or below and crossed -0.15 15-36 s
-  after it joined. The per-round spread is about 0.25, so a mean of 16 has a standard error near 0.07: an
-  honest pair whose level has fallen to 0.05 lies 2.7 of them above the line, and over thousands of rounds a
-  false ban of an honest groupmate is possible, which costs this peer that groupmate for ``BAN_SECONDS``.
+  in the attack bench early on; -0.04 to -0.26 per 20 s late in a run, where honest pairs averaged 0.09 to
+  0.34). A groupmate whose last ``DIR_WINDOW`` (16) cosines average ``DIR_BELOW`` (-0.15) or less is banned,
+  and so is one whose last ``DIR_SHORT_WINDOW`` (8) average ``DIR_SHORT_BELOW`` (-0.3) or less: a pair may
+  share only 10-16 judged rounds in the 60 s of an attack. Over 86 honest pairs (three runs of the attack
+  bench and a 4-peer demo of 300 global epochs, about 9,000 judged rounds) the lowest mean of 16 in a row was
+  -0.08 and of 8, -0.15; x -1 attackers' means of 16 fell to -0.07 to -0.32 and of 8 lower. The per-round
+  spread is about 0.25, so a mean of 16 has a standard error near 0.06 (of 8, 0.09): an honest pair whose
+  level has fallen to 0.05 lies about 3.3 of them above the first line and 3.9 above the second, and over
+  thousands of rounds a false ban of an honest groupmate is possible, which costs this peer that groupmate
+  for ``BAN_SECONDS``.
   The comparison is with this peer's own part, not with the round's centre, so colluders that own a round
   cannot make theirs look close. When honest cosines average near zero, a gradient times -1 is not banned
   this way (it then does little).
@@ -95,12 +98,12 @@ judged rounds a minute: a groupmate whose directions alone give it away (unrelat
 was banned within 60 s by one honest peer of three, while the others had judged it 7-9 times of the 12 needed.
 So each peer publishes its bans in its metrics record (``banned``), reads the others' (about once a second,
 with the swarm's speed), and where another peer bans a groupmate (:func:`note_published_bans`), its own
-reducers ban it on half the evidence of its directions for ``SEEN_BANNED_FOR`` seconds:
-``SEEN_UNRELATED_ROUNDS`` (6) unrelated rounds in a row, or the mean of its last ``SEEN_DIR_WINDOW`` (8)
-cosines at ``SEEN_DIR_BELOW`` (-0.3; the lowest honest mean of 8 in a row was -0.14). Another peer's word is
-never a ban by itself, and a peer that this peer bans has none: an attacker that publishes bans of honest
-peers only lowers the bar that their honest rounds must miss (in 4-peer demos, at most 4 unrelated rounds in a
-row in 2,752 judged rounds, and the lowest mean of 10 cosines in a row -0.09).
+reducers ban it on half the evidence of unrelated rounds for ``SEEN_BANNED_FOR`` seconds:
+``SEEN_UNRELATED_ROUNDS`` (6) in a row. Another peer's word is never a ban by itself, and a peer that this
+peer bans has none: an attacker that publishes bans of honest peers only lowers the bar that their honest
+rounds must miss (in 4-peer demos, at most 4 unrelated rounds in a row in 2,752 judged rounds). The cosines'
+bars stay where they are: an attacker can publish bans of every honest peer at no cost, and the honest lows of
+8 cosines in a row (-0.15) leave too little room above the short bar's -0.3 for an easier one.
 
 The table lives in memory shared by the training process and the averager processes it forks (a
 fixed number of slots; the oldest unbanned peer makes room for a new one).
@@ -126,6 +129,8 @@ STATE_FAR = 1.0  # a state further than this many times this peer's own state's 
 FAR_STATES = 2  # state rounds in a row in which a groupmate's state lay far from this peer's: a ban
 DIR_WINDOW = 16  # a groupmate's last judged directions (cosines with this peer's own gradient) that count
 DIR_BELOW = -0.15  # their mean at or below which it is banned
+DIR_SHORT_WINDOW = 8  # or its last 8 judged directions (a pair may share few rounds a minute)
+DIR_SHORT_BELOW = -0.3  # at or below this mean (a mean of 8 spreads further)
 UNRELATED_Z = 3.0  # a dot product within this many standard deviations of zero (signs unrelated): unrelated
 UNRELATED_ROUNDS = 12  # judged rounds in a row in which a groupmate's gradient was unrelated to ours: a ban
 UNRELATED_MIN_SIZE = 1024  # numbers compared in a round, at least, for it to count either way
@@ -133,8 +138,6 @@ UNRELATED_MIN_SIZE = 1024  # numbers compared in a round, at least, for it to co
 # to see of that groupmate's directions, for this long after the last read that showed it (seconds)
 SEEN_BANNED_FOR = 60.0
 SEEN_UNRELATED_ROUNDS = 6  # UNRELATED_ROUNDS where another peer bans it
-SEEN_DIR_WINDOW = 8  # DIR_WINDOW where another peer bans it: the mean of its last 8 cosines
-SEEN_DIR_BELOW = -0.3  # DIR_BELOW for that shorter window (a mean of 8 spreads further)
 SLOTS = 256
 _PEER_BYTES = 64  # a PeerID in base58 has 46-53 characters
 
@@ -162,6 +165,7 @@ class _Slot(ctypes.Structure):
         ("ban_unrelated", ctypes.c_int64),  # 1 if the last ban came from that
         ("seen_banned_until", ctypes.c_double),  # another peer's published ban of it counts until then
         ("ban_seen", ctypes.c_int64),  # 1 if it came from the shorter evidence another peer's ban allows
+        ("ban_window", ctypes.c_int64),  # the judged directions whose mean got it banned; 0 if not them
     ]
 
 
@@ -182,6 +186,7 @@ class Suspect:
     ban_direction: float = 0.0  # if it came from its gradients' directions: their mean cosine with ours
     ban_unrelated: bool = False  # if it came from gradients unrelated to ours (random directions)
     ban_seen: bool = False  # if it came from the shorter evidence that another peer's ban of it allows
+    ban_window: int = 0  # if it came from directions: over how many judged rounds their mean was taken
     seen_banned: bool = False  # another peer's published ban of it counts here now
 
 
@@ -238,7 +243,8 @@ class Suspects:
         ``size`` numbers of the slice this peer reduced, and a dot product ``z`` standard deviations from what
         it would be were its signs unrelated to this peer's (swarm/patches/robust.py ``directions``); True
         if this round got it banned: its last ``DIR_WINDOW`` cosines average ``DIR_BELOW`` or less, or its
-        last ``UNRELATED_ROUNDS`` lay within ``UNRELATED_Z`` standard deviations of zero."""
+        last ``DIR_SHORT_WINDOW`` ``DIR_SHORT_BELOW`` or less, or its last ``UNRELATED_ROUNDS`` lay within
+        ``UNRELATED_Z`` standard deviations of zero."""
         now = time.monotonic() if now is None else now
         cosine = min(1.0, max(-1.0, cosine)) if math.isfinite(cosine) else -1.0
         with self._lock:
@@ -252,27 +258,26 @@ class Suspects:
                 unrelated = abs(z) < UNRELATED_Z  # a NaN counts as related
                 slot.unrelated = slot.unrelated + 1 if unrelated else 0
             seen = slot.seen_banned_until > now
-            mean = _direction(slot)  # 1 until the window is full
-            # where another peer bans it, the mean of its last SEEN_DIR_WINDOW at SEEN_DIR_BELOW bans it too
-            short = _direction(slot, SEEN_DIR_WINDOW) if seen and mean > DIR_BELOW else 1.0
-            pointed = mean <= DIR_BELOW or short <= SEEN_DIR_BELOW
+            # the mean of its last DIR_SHORT_WINDOW, then of its last DIR_WINDOW (each 1 until it has them)
+            window, mean = DIR_SHORT_WINDOW, _direction(slot, DIR_SHORT_WINDOW)
+            if mean > DIR_SHORT_BELOW:
+                window, mean = DIR_WINDOW, _direction(slot)
+            pointed = mean <= (DIR_SHORT_BELOW if window == DIR_SHORT_WINDOW else DIR_BELOW)
             rounds = SEEN_UNRELATED_ROUNDS if seen else UNRELATED_ROUNDS
             if slot.banned_until > now or (not pointed and slot.unrelated < rounds):
                 return False
             slot.rounds += 1
             slot.clipped += 1
             if pointed:
-                by_seen = mean > DIR_BELOW
-                _ban(slot, now, 0.0, gap=0.0, direction=short if by_seen else mean, seen=by_seen)
+                _ban(slot, now, 0.0, gap=0.0, direction=mean, window=window)
             else:
                 _ban(slot, now, 0.0, gap=0.0, unrelated=True, seen=slot.unrelated < UNRELATED_ROUNDS)
             return True
 
     def saw_banned(self, peer: str, now: float | None = None) -> bool:
         """Note that another peer publishes a ban of ``peer`` (:func:`note_published_bans`): for
-        ``SEEN_BANNED_FOR`` seconds this peer's judges ban it on half the evidence of its directions
-        (``SEEN_UNRELATED_ROUNDS`` unrelated rounds in a row, or the mean of its last ``SEEN_DIR_WINDOW``
-        cosines at ``SEEN_DIR_BELOW`` or less). Not a ban, nor a judged round: this peer's own rounds must
+        ``SEEN_BANNED_FOR`` seconds this peer's judges ban it on half the evidence of unrelated rounds
+        (``SEEN_UNRELATED_ROUNDS`` in a row). Not a ban, nor a judged round: this peer's own rounds must
         show it. A peer not in the table takes a free slot only: records full of made-up PeerIDs never push
         out what this peer judged (an attacker's own count of unrelated rounds, say). True if it was noted."""
         now = time.monotonic() if now is None else now
@@ -378,12 +383,13 @@ def _ban(
     direction: float = 0.0,
     unrelated: bool = False,
     seen: bool = False,
+    window: int = 0,
 ) -> None:
     slot.banned_until = now + min(MAX_BAN_SECONDS, BAN_SECONDS * 2**slot.bans)
     slot.bans += 1
     slot.first_banned = slot.first_banned or time.time()
     slot.ban_scale, slot.ban_gap, slot.ban_served, slot.ban_dir = scale, gap, int(served), direction
-    slot.ban_unrelated, slot.ban_seen = int(unrelated), int(seen)
+    slot.ban_unrelated, slot.ban_seen, slot.ban_window = int(unrelated), int(seen), window
     slot.filled = slot.dir_filled = slot.unrelated = 0  # judged afresh after the ban
 
 
@@ -402,6 +408,7 @@ def _suspect(slot: _Slot, now: float) -> Suspect:
         ban_direction=slot.ban_dir if slot.bans else 0.0,
         ban_unrelated=bool(slot.ban_unrelated) if slot.bans else False,
         ban_seen=bool(slot.ban_seen) if slot.bans else False,
+        ban_window=slot.ban_window if slot.bans else 0,
         seen_banned=slot.seen_banned_until > now,
     )
 
@@ -439,11 +446,10 @@ def why_banned(suspect: Suspect) -> str:
             f"{suspect.banned_for:.0f} s left)"
         )
     if suspect.ban_direction:
-        window = SEEN_DIR_WINDOW if suspect.ban_seen else DIR_WINDOW
         return (
             f"its gradient pointed against this peer's own round after round (mean cosine "
-            f"{suspect.ban_direction:.2f} over its last {window} judged rounds{seen}) (ban {suspect.bans}, "
-            f"{suspect.banned_for:.0f} s left)"
+            f"{suspect.ban_direction:.2f} over its last {suspect.ban_window} judged rounds) "
+            f"(ban {suspect.bans}, {suspect.banned_for:.0f} s left)"
         )
     if suspect.ban_gap:
         return (

@@ -311,8 +311,9 @@ def decide_downloads_after_refusals(opt: Any, keep: Any = None) -> None:
     stepped on during the download): one line of news for all such.
 
     Item 32: a download that could not dial a donor (``averager.unreachable``: it left, with its records
-    still in the DHT) counts the claim of each such peer ahead of this one at this peer's epoch for
-    ``UNSERVED_FOR`` seconds, whether or not another donor answered."""
+    still in the DHT), or that a donor refused because it bans this peer, counts the claim of each such peer
+    ahead of this one at this peer's epoch for ``UNSERVED_FOR`` seconds, whether or not another donor
+    answered."""
     averager, tracker = opt.state_averager, opt.tracker
     unserved: dict[str, float] = {}  # item 25: peer (base58) -> until (time.monotonic)
     marked = [-math.inf]  # when unserved claims were last marked
@@ -398,7 +399,9 @@ def decide_downloads_after_refusals(opt: Any, keep: Any = None) -> None:
 
     def mark_unreachable(held: int, claims: dict[str, int]) -> None:
         # item 32: a donor that this download could not dial left (or moved) with its records still in the
-        # DHT; its claim ahead would send this peer to download, and dial it, at every step until they expire
+        # DHT; its claim ahead would send this peer to download, and dial it, at every step until they expire.
+        # So would one that refuses this peer because it bans it (an attacker bans the honest peers it
+        # judges, and its groups without them run ahead): it serves nobody it bans until its ban ends
         gone = averager.unreachable
         ahead = {p: e for p, e in claims.items() if p in gone and e > held and not discounted(p)}
         if not ahead:
@@ -407,7 +410,8 @@ def decide_downloads_after_refusals(opt: Any, keep: Any = None) -> None:
         marked[0] = time.monotonic()
         log.info(
             "%d peer(s) ahead of this one, at global epochs up to %d, could not be dialled for a download "
-            "(they left, or their address changed): this peer counts them at its own epoch %d for %.0f s",
+            "(they left, or their address changed) or refused it (they ban this peer): this peer counts them "
+            "at its own epoch %d for %.0f s",
             len(ahead),
             max(ahead.values()),
             held,

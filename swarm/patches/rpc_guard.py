@@ -63,6 +63,15 @@ class Banned(Refused):
     """This peer banned the other for a while (swarm/suspects.py)."""
 
 
+BANNED_BY_THIS_PEER = "is banned by this peer"  # in every refusal of a banned caller, as its caller reads it
+
+
+def refused_as_banned(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a call to another peer's handler, says that the other peer refused this one
+    because it bans it (its :class:`Banned`, which reaches the caller as the text of a P2PHandlerError)."""
+    return isinstance(exc, P2PHandlerError) and BANNED_BY_THIS_PEER in str(exc)
+
+
 def banned_here(peer_id: Any) -> bool:
     """Whether this peer has banned ``peer_id`` (in any process that shares its suspects table)."""
     table = robust.suspects()
@@ -93,7 +102,7 @@ class _Banning:
         text = str(peer_id)
         found = None if _TO_BANNED.get() else self._suspects.get(text)
         if found is not None and found.banned_for > 0:
-            why = f"peer {text} is banned by this peer: {why_banned(found)}"
+            why = f"peer {text} {BANNED_BY_THIS_PEER}: {why_banned(found)}"
             if (text, found.bans) not in self._warned:  # once per ban
                 self._warned.add((text, found.bans))
                 log.warning("Refused %s: %s", role, why)

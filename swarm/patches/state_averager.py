@@ -39,8 +39,9 @@ member of a state round takes the largest epoch it gathered, whatever its size.
   state_averager.py:667-674) and neither the screen nor the check undid it; hivemind applies it, or keeps
   this peer's own state where the donor's is older. Where this peer chose the donor (item 23) it notes which
   (``answered_by``); :meth:`declared_donors` says which peers declare themselves donors.
-- item 32: a donor that cannot be dialled (it left; its record lingers in the DHT) is passed over for the next
-  one in the same download, and named in ``unreachable`` (read by swarm/patches/optimizer.py).
+- item 32: a donor that cannot be dialled (it left; its record lingers in the DHT), or that refuses this peer
+  because it bans it (swarm/patches/rpc_guard.py), is passed over for the next one in the same download, and
+  named in ``unreachable`` (read by swarm/patches/optimizer.py).
 - item 31: hivemind takes a download from one donor, as slow as that donor's upload. With the check and
   ``download_donors`` > 1, the donor sends the parameters and other donors at its epoch send the extras and
   the optimizer's statistics, in slices at the same time (``rpc_download_state_part``); a slice that fails or
@@ -68,7 +69,7 @@ from typing import Any
 
 import torch
 
-from swarm.patches import robust
+from swarm.patches import robust, rpc_guard
 from swarm.patches._registry import Patch
 from swarm.patches.allreduce import PacksParts
 
@@ -87,7 +88,8 @@ _ROLE_NAMES = {"PARAMETER": "parameters", "OPTIMIZER": "optimizer statistics"}
 
 
 class Unreachable:
-    """Item 32: what the averager process answers a download whose donor could not be dialled."""
+    """Item 32: what the averager process answers a download whose donor could not be dialled, or refused
+    this peer as one it bans."""
 
     def __init__(self, why: str) -> None:
         self.why = why
@@ -721,6 +723,9 @@ class _SettledState:
         except Exception as exc:
             if _dial_failed(exc):  # item 32: the caller asks the next donor
                 log.info("Could not reach %s to download the state: %r", peer, exc)
+                future.set_result(Unreachable(repr(exc)))
+            elif rpc_guard.refused_as_banned(exc):  # item 32: it will not serve this peer until its ban ends
+                log.info("%s refused to send its state, as it bans this peer (%s); the next donor", peer, exc)
                 future.set_result(Unreachable(repr(exc)))
             else:
                 log.info("Could not download the state from %s: %r", peer, exc)

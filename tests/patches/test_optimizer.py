@@ -875,3 +875,44 @@ def test_a_peer_behind_a_donor_that_left_trains_on_instead_of_dialling_it_at_eve
         if not claimer.shutdown_triggered.is_set():
             claimer.shutdown()
         donor.shutdown()
+
+
+def test_a_peer_behind_a_donor_that_bans_it_trains_on_instead_of_asking_it_at_every_step(
+    dhts, monkeypatch, caplog
+):
+    """Item 32. Donor D declares and reports epoch 50, ahead of A at epoch 0, and bans A (its gradients
+    pointed against D's own: an attacker bans the honest peers it judges, and its groups without them run
+    ahead), so D's averagers refuse A's download (swarm/patches/rpc_guard.py). A downloads once, is refused,
+    counts D at its own epoch and trains on: its round with nobody fails and it steps on its own gradient to
+    epoch 1. Without that, A asks D again at every step and never leaves epoch 0 (the attack bench's honest
+    peers asked two such attackers 130-167 times each in 30 s)."""
+    from swarm import suspects
+    from swarm.averaging import donors
+    from swarm.patches import robust
+
+    monkeypatch.setattr(donors, "WAIT_FOR_SKETCHES", 0.5)
+    node_d, node_a = dhts(2)
+    run = "pytest-rounds-donor-bans"
+    (donor,) = _state_averagers([node_d], [torch.nn.Linear(4, 3)], f"{run}_state_averager")
+    donor.local_epoch = donor.state_sharing_priority = 50
+    claimer = ProgressTracker(node_d, run, target_batch_size=8, private_key=RSAPrivateKey(), start=True)
+    table = robust.suspects()
+    try:
+        claimer.report_local_progress(50, 1)
+        # one table for both peers here (one process): D's gate reads it when A calls
+        for _ in range(suspects.DIR_SHORT_WINDOW):
+            table.noted_direction(node_a.peer_id.to_base58(), -0.5)
+        assert table.banned_for(node_a.peer_id.to_base58()) > 0
+        with _lone_optimizer(node_a, run) as opt:
+            downloads = _checked_downloads_behind(opt, node_a, run, donor, True)
+            with caplog.at_level(logging.INFO, logger="swarm.patches"):
+                steps = _step_while_at(opt, 0, 30.0)
+            assert opt.local_epoch == 1, (opt.local_epoch, opt.tracker.global_progress, steps)
+            assert len(downloads) == 1, (len(downloads), steps)
+            assert "or refused it (they ban this peer)" in caplog.text, caplog.text
+            assert opt.state_averager.unreachable.keys() == {node_d.peer_id.to_base58()}
+            assert not opt.state_averager.refused_donors  # nothing it served was refused: it served nothing
+    finally:
+        table.clear()
+        claimer.shutdown()
+        donor.shutdown()

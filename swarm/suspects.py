@@ -64,9 +64,9 @@ random direction of an honest norm. Direction can, over many rounds:
   in the attack bench early on; -0.04 to -0.26 per 20 s late in a run, where honest pairs averaged 0.09 to
   0.34). A groupmate whose last ``DIR_WINDOW`` (16) cosines average ``DIR_BELOW`` (-0.15) or less is banned,
   and so is one whose last ``DIR_SHORT_WINDOW`` (8) average ``DIR_SHORT_BELOW`` (-0.3) or less: a pair may
-  share only 10-16 judged rounds in the 60 s of an attack. Over 86 honest pairs (three runs of the attack
-  bench and a 4-peer demo of 300 global epochs, about 9,000 judged rounds) the lowest mean of 16 in a row was
-  -0.08 and of 8, -0.15; x -1 attackers' means of 16 fell to -0.07 to -0.32 and of 8 lower. The per-round
+  share only 4-16 judged rounds in the 60 s of an attack. Over 102 honest pairs (five runs of the attack
+  bench and a 4-peer demo of 300 global epochs, about 29,000 judged rounds) the lowest mean of 16 in a row
+  was -0.08 and of 8, -0.17; x -1 attackers' means of 16 fell to -0.07 to -0.32 and of 8 lower. The per-round
   spread is about 0.25, so a mean of 16 has a standard error near 0.06 (of 8, 0.09): an honest pair whose
   level has fallen to 0.05 lies about 3.3 of them above the first line and 3.9 above the second, and over
   thousands of rounds a false ban of an honest groupmate is possible, which costs this peer that groupmate
@@ -103,7 +103,7 @@ reducers ban it on half the evidence of unrelated rounds for ``SEEN_BANNED_FOR``
 peer bans has none: an attacker that publishes bans of honest peers only lowers the bar that their honest
 rounds must miss (in 4-peer demos, at most 4 unrelated rounds in a row in 2,752 judged rounds). The cosines'
 bars stay where they are: an attacker can publish bans of every honest peer at no cost, and the honest lows of
-8 cosines in a row (-0.15) leave too little room above the short bar's -0.3 for an easier one.
+8 cosines in a row (-0.17) leave too little room above the short bar's -0.3 for an easier one.
 
 The table lives in memory shared by the training process and the averager processes it forks (a
 fixed number of slots; the oldest unbanned peer makes room for a new one).

@@ -14,6 +14,7 @@ scenario; :data:`SCENARIOS` is the registry that the CLI's ``--scenario`` choice
 * ``attack``: a peer sends outsized, uphill gradients into a swarm; the honest peer's val acc with its screen
   off and on (swarm/averaging/screen.py).
 * ``fence``: two peers open and invite-only in turn: what the fence costs (swarm/net/fence.py).
+* ``dht``: the CPU that DHT stores and reads cost 9 and 17 nodes, with hivemind's reads and the swarm's.
 * ``volunteers`` (root only): unequal peers, each in its own CPU budget behind its own slow, distant link,
   against each of them alone: utilisation and time to a fixed val acc.
 
@@ -39,6 +40,7 @@ SCENARIOS = (
     "wan",
     "attack",
     "fence",
+    "dht",
     "volunteers",
 )  # each a module of this package: run() and table
 

@@ -23,7 +23,7 @@ module                 hivemind area (and the items of docs/hivemind-patches.md 
 ``traffic``            averaging/allreduce.py: bytes sent in rounds, counted
 ``compression``        compression/quantization.py: 8-bit decoding with NumPy >= 2.4
 ``dht``                dht/dht.py: a DHT process that survives senders that exit
-``dht_store``          dht/node.py: a store in a small swarm goes to the known nodes, unsearched
+``dht_store``          dht/node.py: in a small swarm, stores to the known nodes, reads from the nearest
 ``auth``               utils/auth.py, dht/protocol.py: DHT tokens bound to the channel's PeerID
 =====================  =========================================================================
 

@@ -142,7 +142,13 @@ class SwarmDHT(hivemind.DHT):
     whose RPCs bind access tokens to PeerIDs (swarm/patches/auth.py), and whose requests hand each process's
     reply pipe over once."""
 
+    narrow_reads = True
+    """Reads in a small swarm ask the nodes nearest the key, and push no copy (swarm/patches/dht_store.py);
+    False gives hivemind's reads (the ``dht`` bench's baseline)."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # no copy of what a read found pushed to another node (swarm/patches/dht_store.py)
+        kwargs.setdefault("cache_nearest", 0 if self.narrow_reads else 1)
         super().__init__(*args, **kwargs)
         # the DHT process (started above, or later by run_in_background) reads the other end, _inner_pipe
         self._outer_pipe = RequestSender(self._outer_pipe)
@@ -151,7 +157,8 @@ class SwarmDHT(hivemind.DHT):
         from swarm.patches import auth, dht_store
 
         auth.install_in_dht_process()  # this process's DHT RPCs check tokens against the channel's PeerID
-        dht_store.install_in_dht_process()  # a store in a small swarm goes to the known nodes, unsearched
+        # a store in a small swarm goes to the known nodes, unsearched; a read asks the nodes nearest its key
+        dht_store.install_in_dht_process(reads=self.narrow_reads)
         self._inner_pipe = RequestPipe(self._inner_pipe)
         super().run()
 

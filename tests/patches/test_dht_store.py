@@ -1,7 +1,8 @@
 """What swarm/patches/dht_store.py changes: a store in a swarm that fits in one beam goes to the nodes this
-node knows, without first asking each of them for its neighbours. On plain hivemind.DHT every store
-searches; on the DHT of a swarm node (SwarmDHT) none does, and the records land on the same nodes,
-newcomers included."""
+node knows, without first asking each of them for its neighbours, and a read there asks the nodes nearest to
+its key, where the stores went, not every node. On plain hivemind.DHT every store searches and every read of
+the latest value asks every node; on the DHT of a swarm node (SwarmDHT) neither does, and the records land
+on and are read from the same nodes, newcomers included."""
 
 from __future__ import annotations
 
@@ -19,21 +20,27 @@ from tests.patches.common import PLAIN_OR_PATCHED
 
 STORES = 4  # records stored per phase; each asserts the same
 _FINDS = [0]  # in each DHT process: the rpc_find calls it made (hivemind's DHTProtocol.call_find)
+_STORES = [0]  # and the rpc_store calls (DHTProtocol.call_store)
 
 
 class _Counted:
-    """Counts the rpc_find calls its DHT process makes."""
+    """Counts the rpc_find and rpc_store calls its DHT process makes."""
 
     def run(self) -> None:
         from hivemind.dht.protocol import DHTProtocol
 
-        call_find = DHTProtocol.call_find
+        call_find, call_store = DHTProtocol.call_find, DHTProtocol.call_store
 
         async def counted(protocol, *args, **kwargs):
             _FINDS[0] += 1
             return await call_find(protocol, *args, **kwargs)
 
-        DHTProtocol.call_find = counted  # in the DHT process only, which is forked for this test
+        async def counted_store(protocol, *args, **kwargs):
+            _STORES[0] += 1
+            return await call_store(protocol, *args, **kwargs)
+
+        # in the DHT process only, which is forked for this test
+        DHTProtocol.call_find, DHTProtocol.call_store = counted, counted_store
         super().run()
 
 
@@ -47,6 +54,10 @@ class _CountedSwarmDHT(_Counted, SwarmDHT):
 
 async def _finds_and_known(dht, node) -> tuple[int, int]:
     return _FINDS[0], len(node.protocol.routing_table.uid_to_peer_id)
+
+
+async def _calls(dht, node) -> tuple[int, int]:
+    return _FINDS[0], _STORES[0]
 
 
 async def _holds(key: str, dht, node) -> list:
@@ -136,5 +147,43 @@ def test_a_node_that_knows_a_beams_worth_of_nodes_searches_as_hivemind_does():
         assert _finds(nodes[0]) - before >= STORES
         got = nodes[1].get("a-full-beam", latest=True)
         assert got is not None and sorted(got.value) == sorted(f"c{i}" for i in range(STORES))
+    finally:
+        next(nodes_of, None)
+
+
+@PLAIN_OR_PATCHED
+def test_a_read_in_a_small_swarm_asks_the_nodes_nearest_its_key_and_finds_every_record(patched):
+    """Seven nodes that all know each other; six of them each store their record under one key. On plain
+    hivemind each read of the latest value asks every other node (6 rpc_find) and then pushes what it found
+    to one more node (rpc_store, hivemind's ``cache_nearest``); with the change a read asks the 5 nodes
+    nearest the key (``num_replicas``; 4 if the reader is one of them) and pushes nothing. Either way every
+    read finds all six records, as does that of a newcomer that joins afterwards and reads at once."""
+    nodes_of = _dht_nodes(time.time(), _CountedSwarmDHT if patched else _CountedDHT)
+    more = next(nodes_of)
+    try:
+        nodes = more(7)
+        _search_once(nodes)
+        assert wait_until(lambda: _knows_all(nodes), timeout=30, interval=0.2)
+        for i, dht in enumerate(nodes[1:]):
+            assert dht.store("read-key", f"record {i}", get_dht_time() + 60, subkey=f"w{i}")
+        expected = sorted(f"w{i}" for i in range(len(nodes) - 1))
+        asked, pushed = [], []
+        for _ in range(2):
+            for dht in nodes:
+                finds, stores = dht.run_coroutine(_calls)
+                got = dht.get("read-key", latest=True)
+                after = dht.run_coroutine(_calls)
+                asked.append(after[0] - finds)
+                pushed.append(after[1] - stores)
+                assert got is not None and sorted(got.value) == expected, (got, expected)
+        if patched:
+            assert all(4 <= n <= 5 for n in asked), asked
+            assert sum(pushed) == 0, pushed
+        else:
+            assert all(n == len(nodes) - 1 for n in asked), asked
+            assert sum(pushed) >= 1, pushed
+        newcomer = more(8)[-1]
+        got = newcomer.get("read-key", latest=True)
+        assert got is not None and sorted(got.value) == expected, (got, expected)
     finally:
         next(nodes_of, None)

@@ -157,7 +157,8 @@ def test_a_read_in_a_small_swarm_asks_the_nodes_nearest_its_key_and_finds_every_
     hivemind each read of the latest value asks every other node (6 rpc_find) and then pushes what it found
     to one more node (rpc_store, hivemind's ``cache_nearest``); with the change a read asks the 5 nodes
     nearest the key (``num_replicas``; 4 if the reader is one of them) and pushes nothing. Either way every
-    read finds all six records, as does that of a newcomer that joins afterwards and reads at once."""
+    read finds all six records, as does that of a newcomer that joins afterwards and reads at once, and every
+    node then finds the record that the newcomer stores at once."""
     nodes_of = _dht_nodes(time.time(), _CountedSwarmDHT if patched else _CountedDHT)
     more = next(nodes_of)
     try:
@@ -185,5 +186,9 @@ def test_a_read_in_a_small_swarm_asks_the_nodes_nearest_its_key_and_finds_every_
         newcomer = more(8)[-1]
         got = newcomer.get("read-key", latest=True)
         assert got is not None and sorted(got.value) == expected, (got, expected)
+        assert newcomer.store("read-key", "the newcomer's", get_dht_time() + 60, subkey="new")
+        for dht in nodes:
+            got = dht.get("read-key", latest=True)
+            assert got is not None and sorted(got.value) == sorted([*expected, "new"]), got
     finally:
         next(nodes_of, None)

@@ -259,10 +259,11 @@ class Suspects:
                 slot.unrelated = slot.unrelated + 1 if unrelated else 0
             seen = slot.seen_banned_until > now
             # the mean of its last DIR_SHORT_WINDOW, then of its last DIR_WINDOW (each 1 until it has them)
-            window, mean = DIR_SHORT_WINDOW, _direction(slot, DIR_SHORT_WINDOW)
-            if mean > DIR_SHORT_BELOW:
-                window, mean = DIR_WINDOW, _direction(slot)
-            pointed = mean <= (DIR_SHORT_BELOW if window == DIR_SHORT_WINDOW else DIR_BELOW)
+            for window, bar in ((DIR_SHORT_WINDOW, DIR_SHORT_BELOW), (DIR_WINDOW, DIR_BELOW)):
+                mean = _direction(slot, window)
+                if mean <= bar:
+                    break
+            pointed = mean <= bar
             rounds = SEEN_UNRELATED_ROUNDS if seen else UNRELATED_ROUNDS
             if slot.banned_until > now or (not pointed and slot.unrelated < rounds):
                 return False

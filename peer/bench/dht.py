@@ -20,18 +20,10 @@ RECORD_BYTES = 1500
 PAIRS = 2  # each N: hivemind's reads and the swarm's, this many times in turn
 
 
-def _tree_cpu(pid: int) -> float:
-    """CPU seconds of process ``pid`` and its descendants (a DHT process and its p2p daemon)."""
-    ticks, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            fields = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
-            ticks += int(fields[11]) + int(fields[12])  # utime + stime
-            todo += [int(k) for k in open(f"/proc/{p}/task/{p}/children").read().split()]
-        except OSError:
-            continue
-    return ticks / os.sysconf("SC_CLK_TCK")
+def _helpers(cpu: dict[str, float] | None) -> float:
+    if cpu is None:
+        raise RuntimeError("dht: needs /proc to count the DHT processes' CPU")
+    return cpu["helpers"]
 
 
 def _cost(n: int, narrow: bool, rounds: int = ROUNDS) -> tuple[float, int, int]:
@@ -40,6 +32,7 @@ def _cost(n: int, narrow: bool, rounds: int = ROUNDS) -> tuple[float, int, int]:
     from hivemind.utils import get_dht_time
 
     from swarm.patches.dht import SwarmDHT
+    from swarm.training.sysmetrics import cpu_seconds
 
     class Node(SwarmDHT):
         narrow_reads = narrow
@@ -62,12 +55,12 @@ def _cost(n: int, narrow: bool, rounds: int = ROUNDS) -> tuple[float, int, int]:
         for _ in range(5):  # warm up: every node learns of every other
             one_round()
             time.sleep(0.2)
-        pids = [d.pid for d in nodes]
-        before, seen = sum(_tree_cpu(p) for p in pids), []
+        # the DHT processes and their daemons are this process's descendants
+        before, seen = _helpers(cpu_seconds()), []
         for _ in range(rounds):
             seen += one_round()
             time.sleep(0.2)
-        used = sum(_tree_cpu(p) for p in pids) - before
+        used = _helpers(cpu_seconds()) - before
     finally:
         for dht in nodes:
             dht.shutdown()

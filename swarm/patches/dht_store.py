@@ -32,10 +32,10 @@ node.py:776-792), an ``rpc_store`` of the whole record per read. In a swarm that
 it knows or learns of from their answers, until it has asked the 5 nearest to the key, which are where the
 stores above put each record (a writer that does not yet know one of them stores on the next; the others
 hold the record, and a dictionary's subkeys are merged over every node asked, node.py:827-845). SwarmDHT
-passes ``cache_nearest=0`` (swarm/patches/dht.py). 9 nodes on 127.0.0.1, each storing one 1.5 KB subkey
-record under one key and reading it back once a round: the DHT processes and daemons spent 18.6-19.9 ms of
-CPU per store and read with hivemind's reads, 13.6-17.6 ms with these; 16 nodes: 43.1 against 20.3 ms;
-every read found every record (docs/benchmarks.md, "Reads that ask every node").
+passes ``cache_nearest=0`` (swarm/patches/dht.py). ``swarm-peer bench --scenario dht`` (each node stores a
+1.5 KB subkey record under one key and reads it back, once a round): the DHT processes and daemons spent
+0.81-0.87 times the CPU of hivemind's reads with 9 nodes, 0.41-0.45 with 17, and every read found every record
+(docs/benchmarks.md, "Reads that asked every node").
 """
 
 from __future__ import annotations

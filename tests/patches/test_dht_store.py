@@ -87,6 +87,14 @@ def _search_once(nodes) -> None:
         dht.get("warm-up", latest=True)
 
 
+def _knowing_each_other(more, n: int) -> list:
+    """``n`` nodes of the factory ``more``, once every one knows every other."""
+    nodes = more(n)
+    _search_once(nodes)
+    assert wait_until(lambda: _knows_all(nodes), timeout=30, interval=0.2)
+    return nodes
+
+
 def _store(dht, key: str, tag: str) -> None:
     for i in range(STORES):
         assert dht.store(key, f"{tag} {i}", get_dht_time() + 60, subkey=f"{tag}{i}")
@@ -101,9 +109,7 @@ def test_a_store_in_a_small_swarm_asks_nobody_for_its_neighbours(patched):
     nodes_of = _dht_nodes(time.time(), _CountedSwarmDHT if patched else _CountedDHT)
     more = next(nodes_of)
     try:
-        nodes = more(5)
-        _search_once(nodes)
-        assert wait_until(lambda: _knows_all(nodes), timeout=30, interval=0.2)
+        nodes = _knowing_each_other(more, 5)
         before = _finds(nodes[0])
         _store(nodes[0], "small-swarm", "a")
         searched = _finds(nodes[0]) - before
@@ -162,9 +168,7 @@ def test_a_read_in_a_small_swarm_asks_the_nodes_nearest_its_key_and_finds_every_
     nodes_of = _dht_nodes(time.time(), _CountedSwarmDHT if patched else _CountedDHT)
     more = next(nodes_of)
     try:
-        nodes = more(7)
-        _search_once(nodes)
-        assert wait_until(lambda: _knows_all(nodes), timeout=30, interval=0.2)
+        nodes = _knowing_each_other(more, 7)
         for i, dht in enumerate(nodes[1:]):
             assert dht.store("read-key", f"record {i}", get_dht_time() + 60, subkey=f"w{i}")
         expected = sorted(f"w{i}" for i in range(len(nodes) - 1))

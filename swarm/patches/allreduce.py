@@ -24,6 +24,19 @@ anything, or whose parts this peer refused once it banned the groupmate in the m
 parts, and takes nothing back (item 28); and it names those that answered ``BAD_GROUP_ID``
 (strangers) in the round's result, a :class:`Gathered` (:class:`NamesStrangers`), so that the optimizer can
 meet them in the next gradient round (swarm/patches/optimizer.py).
+
+**One result for the whole group** (item 35). hivemind's reducer sends each sender the difference between the
+part's average and that sender's own part, compressed (allreduce.py:353-355), and each sender adds it to
+its own numbers. With a lossy compression the senders' differences are rounded differently, so the peers of
+one round end it with different results: with int8 DiLoCo pseudo-gradients the 8 anchors of the volunteers
+lab drifted apart by 1e-5 of their norm within 8 rounds, a state round that found them in agreement
+(item 16) never came, and each ran one (17-23 s at 2 Mbit/s). An averager whose class is
+:class:`EndsWithOneResult` (the gradient averager) marks the first part it sends with :data:`ONE_RESULT`; a
+reducer of this package answers such a sender with the average itself, compressed once per part and
+compression and sent alike to every sender that asked, and uses the same decoded numbers for its own part.
+Every groupmate then holds the same numbers, to float rounding. The state averager keeps hivemind's
+differences: its parameters travel as float16, which would round the weights themselves. An unmarked sender
+or a reducer without the change gets or gives hivemind's differences, as before.
 """
 
 from __future__ import annotations
@@ -45,6 +58,41 @@ NOTED_EVERY = (
     0.02  # seconds between two looks, while a part of an unknown group waits, at what matchmaking noted
 )
 AWAKE_AT_MOST = 2 * NOTED_EVERY  # of one look's wall time, what counts toward request_timeout
+# item 35: in ``AveragingData.peer_id``, which hivemind's all-reduce leaves unset: on a sender's first part,
+# "answer me with the average"; on a reducer's answer, "this is the average, not the difference from my part"
+ONE_RESULT = b"swarm:one-result"
+_RESULTS = "_swarm_results"  # attribute of one round's AllReduceRunner: its serialized averages, by part
+
+
+class EndsWithOneResult:
+    """Mixin for hivemind's averagers whose groupmates must end each round with the same numbers (item 35):
+    their rounds ask for the average itself, not each sender's difference from it."""
+
+    one_result = True
+
+
+def _one_result(runner: Any) -> bool:
+    return bool(getattr(runner._servicer_type, "one_result", False))
+
+
+def _compression_type(compression: Any, info: Any) -> Any:
+    """The wire format that ``compression`` (adaptive ones choose by the part's info) gives this part."""
+    while hasattr(compression, "choose_compression"):
+        compression = compression.choose_compression(info)
+    return compression.compression_type
+
+
+async def _serialized_average(runner: Any, part_index: int, averaged: torch.Tensor, compression: Any) -> Any:
+    """The average of this reducer's part ``part_index``, serialized in ``compression`` once for all the
+    senders that asked for it (and this peer's own part): one message, so one set of decoded numbers."""
+    from hivemind.compression import serialize_torch_tensor
+
+    results = runner.__dict__.setdefault(_RESULTS, {})
+    key = (part_index, int(compression))
+    if key not in results:
+        loop = asyncio.get_running_loop()
+        results[key] = loop.run_in_executor(None, serialize_torch_tensor, averaged, compression)
+    return await results[key]
 
 
 class Gathered(dict):
@@ -136,12 +184,23 @@ def packing(base: type) -> type:
 def _targets() -> list[tuple[Any, str, Any]]:
     from hivemind.averaging.allreduce import AllReduceRunner
     from hivemind.averaging.averager import DecentralizedAverager
+    from hivemind.averaging.partition import AllreduceException, BannedException
+    from hivemind.compression import deserialize_torch_tensor
     from hivemind.proto import averaging_pb2
-    from hivemind.utils.asyncio import achain, aiter_with_timeout, anext, as_aiter
+    from hivemind.utils.asyncio import (
+        achain,
+        aiter_with_timeout,
+        amap_in_executor,
+        anext,
+        as_aiter,
+        attach_event_on_finished,
+    )
 
     from swarm.patches import rpc_guard
 
     communicate = AllReduceRunner._communicate_with_peer
+    generate_input = AllReduceRunner._generate_input_for_peer
+    accumulate = AllReduceRunner._accumulate_parts_streaming
 
     async def _rpc_aggregate_part(self: Any, stream: Any, context: Any) -> Any:
         """hivemind's ``DecentralizedAverager.rpc_aggregate_part``, with a bounded wait for an unknown group
@@ -192,13 +251,118 @@ def _targets() -> list[tuple[Any, str, Any]]:
             await _parts_to_banned(self, peer_id)
             return
         try:
-            await communicate(self, peer_id)
+            if not _one_result(self):
+                await communicate(self, peer_id)
+            elif peer_id == self.peer_id:
+                await _reduce_own_parts(self)
+            else:
+                await _exchange_parts(self, peer_id)
         except Exception as exc:
             if peer_id in self.sender_peer_ids and peer_id not in self.active_senders:
                 if str(exc).endswith("sent BAD_GROUP_ID"):
                     self.__dict__.setdefault(_STRANGERS, set()).add(peer_id)
                 await self._ban_sender(peer_id)
             raise
+
+    async def _reduce_own_parts(self: Any) -> None:
+        """hivemind's ``_communicate_with_peer`` for this peer's own parts (allreduce.py:204-210), which
+        takes the average through the same serialization as the senders that asked for it (item 35)."""
+        container, loop = self.tensor_part_container, asyncio.get_running_loop()
+        peer_index = self.ordered_peer_ids.index(self.peer_id)
+        sender_index = self.sender_peer_ids.index(self.peer_id)
+        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+            averaged = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, tensor_part, weight=self.weight
+            )
+            info = container._input_parts_by_peer[peer_index][part_index][1]
+            serialized = await _serialized_average(
+                self, part_index, averaged, _compression_type(container.compression, info)
+            )
+            decoded = await loop.run_in_executor(None, deserialize_torch_tensor, serialized)
+            container.register_processed_part(peer_index, part_index, decoded - tensor_part)
+
+    async def _exchange_parts(self: Any, peer_id: Any) -> None:
+        """hivemind's ``_communicate_with_peer`` for a groupmate's slice (allreduce.py:212-257): this peer's
+        parts go out marked :data:`ONE_RESULT` (:func:`_generate_marked`), and an answer marked so is the
+        average itself, turned here into the difference from this peer's part that hivemind expects (an
+        unmarked answer, from a reducer without item 35, is that difference already)."""
+        container = self.tensor_part_container
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        own = container._input_parts_by_peer[peer_index]
+        try:
+            done_sending = asyncio.Event()
+            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+
+            def decode(msg: Any) -> tuple[torch.Tensor, bool]:
+                if msg.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
+                return deserialize_torch_tensor(msg.tensor_part), msg.peer_id == ONE_RESULT
+
+            part_index = 0
+            async for value, average in amap_in_executor(
+                decode, aiter_with_timeout(stream, self.reducer_timeout), max_prefetch=container.prefetch
+            ):
+                if part_index >= len(own):
+                    raise AllreduceException(f"peer {peer_id} sent more than {len(own)} parts")
+                delta = value - own[part_index][0] if average else value
+                container.register_processed_part(peer_index, part_index, delta)
+                part_index += 1
+            if part_index != container.num_parts_by_peer[peer_index]:
+                raise AllreduceException(
+                    f"peer {peer_id} sent {part_index} parts, but we expected "
+                    f"{container.num_parts_by_peer[peer_index]}"
+                )
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                log.debug("Caught %r when communicating to %s", exc, peer_id, exc_info=True)
+            container.register_failed_reducer(peer_index)
+            raise
+
+    async def _generate_marked(self: Any, peer_index: int) -> Any:
+        """hivemind's ``_generate_input_for_peer``; the first part of a round that must end with one result
+        asks its reducer for the average itself (item 35)."""
+        first = _one_result(self)
+        async for message in generate_input(self, peer_index):
+            if first:
+                message.peer_id, first = ONE_RESULT, False
+            yield message
+
+    async def _accumulate_answering(self: Any, stream: Any, sender_index: int) -> Any:
+        """hivemind's ``_accumulate_parts_streaming`` (allreduce.py:333-362). To a sender whose first part
+        asked for it, each answer is the part's average, serialized once for every such sender (item 35);
+        to others, hivemind's difference from their part."""
+        request = await anext(stream)
+        stream = achain(as_aiter(request), stream)
+        if request.peer_id != ONE_RESULT:
+            async for message in accumulate(self, stream, sender_index):
+                yield message
+            return
+
+        def read(msg: Any) -> tuple[torch.Tensor, float, Any]:
+            return deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression
+
+        part_index = 0
+        try:
+            async for tensor_part, weight, compression in amap_in_executor(
+                read, stream, max_prefetch=self.tensor_part_container.prefetch
+            ):
+                try:
+                    averaged = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=weight
+                    )
+                    part_index += 1
+                except BannedException:
+                    break  # banned in the background: its parts no longer count
+                serialized = await _serialized_average(self, part_index - 1, averaged, compression)
+                yield averaging_pb2.AveragingData(
+                    code=averaging_pb2.AVERAGED_PART, tensor_part=serialized, peer_id=ONE_RESULT
+                )
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
 
     async def _parts_to_banned(self: Any, peer_id: Any) -> None:
         """A round whose group holds ``peer_id``, which this peer banned (before the round, or during it:
@@ -237,6 +401,8 @@ def _targets() -> list[tuple[Any, str, Any]]:
     return [
         (DecentralizedAverager, "rpc_aggregate_part", _rpc_aggregate_part),
         (AllReduceRunner, "_communicate_with_peer", _communicate_with_peer),
+        (AllReduceRunner, "_generate_input_for_peer", _generate_marked),
+        (AllReduceRunner, "_accumulate_parts_streaming", _accumulate_answering),
         (Matchmaking, "look_for_group", _look_for_group_noting),
     ]
 

@@ -12,8 +12,9 @@ round's samples are lost (item 2 of docs/hivemind-patches.md).
 **What this changes.** The class that :func:`keeping_local_gradients` builds keeps this peer's own mean
 gradient of the round and loads it instead, counting how often (``local_fallbacks``). It also packs its
 all-reduce into one buffer per dtype (item 3, swarm/patches/allreduce.py), names the groupmates that never
-learnt of the group (item 11), and sends what ``gather_hook`` returns with each round's all-gather (item 16,
-swarm/patches/optimizer.py). The class keeps hivemind's name (the p2p handlers' names come from it).
+learnt of the group (item 11), sends what ``gather_hook`` returns with each round's all-gather (item 16,
+swarm/patches/optimizer.py), and ends each round with the same numbers as its groupmates (item 35). The
+class keeps hivemind's name (the p2p handlers' names come from it).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from swarm.patches import robust
-from swarm.patches.allreduce import NamesStrangers, PacksParts
+from swarm.patches.allreduce import EndsWithOneResult, NamesStrangers, PacksParts
 
 
 class KeepsLocalGradients:
@@ -120,9 +121,9 @@ class KeepsLocalGradients:
 
 @cache
 def keeping_local_gradients(base: type) -> type:
-    """``base`` (hivemind's GradientAverager or a subclass, PowerSGD's included) with items 2, 3, 11 and
-    16."""
-    bases = (KeepsLocalGradients, NamesStrangers, PacksParts, base)
+    """``base`` (hivemind's GradientAverager or a subclass, PowerSGD's included) with items 2, 3, 11, 16 and
+    35."""
+    bases = (KeepsLocalGradients, EndsWithOneResult, NamesStrangers, PacksParts, base)
     return type(base.__name__, bases, {"__module__": __name__})
 
 

@@ -13,6 +13,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.partition import TensorPartContainer
 
 from swarm.patches import allreduce
+from swarm.patches import optimizer as wiring
 from swarm.waiting import wait_until
 from tests.patches.common import (
     ALL_BUT_ROBUST,
@@ -22,6 +23,7 @@ from tests.patches.common import (
     _abandoning_join_request,
     _state,
     hivemind_as,
+    round_results,
 )
 
 PLAIN_ALLREDUCE_TIMEOUT = 3.0  # item 8: plain hivemind's leader waits all of it, so short in that variant
@@ -496,3 +498,75 @@ def _first_two_ended(group: list, controls: list, since: float) -> tuple[float, 
         with averager.get_tensors() as (got,):
             held.append(got.clone())
     return took, held
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        pytest.param("plain", marks=PLAIN, id="plain hivemind"),
+        pytest.param("patched", id="patched"),
+        pytest.param("mixed", id="one groupmate without the change"),
+    ],
+)
+def test_an_int8_round_ends_with_the_same_numbers_in_every_groupmate(nodes, variant):
+    """Item 35. Three averagers average gradient-like vectors (one shared direction, each with noise of its
+    own) in 8 bits, each reducing a third of them. hivemind's reducer sends each sender the difference between
+    the average and that sender's part, compressed (allreduce.py:353-355), so each groupmate ends the round
+    with the average plus a rounding error of its own. The gradient averager's class (``EndsWithOneResult``)
+    asks its reducers for the average itself, serialized once, so that every groupmate holds the same numbers
+    to float rounding, and as close to the exact mean. A groupmate without the change (an older peer) still
+    averages correctly with the others: it neither asks for the average nor answers with it, so the two with
+    the change hold the same numbers except in its third."""
+    from hivemind.compression import Uniform8BitQuantization
+
+    gen = torch.Generator().manual_seed(35)
+    size = 300_000
+    shared = torch.randn(size, generator=gen)
+    vectors = [shared + 2 * torch.randn(size, generator=gen) for _ in range(3)]
+    mean = sum(vectors) / 3
+    ends_alike = type("DecentralizedAverager", (allreduce.EndsWithOneResult, DecentralizedAverager), {})
+    changed = {"plain": [False] * 3, "patched": [True] * 3, "mixed": [True, True, False]}[variant]
+    # the averager processes are forked as hivemind is then: a plain mean (the vectors' noise is large), and
+    # hivemind's 8-bit decoding mended (the compression patch) with or without this change
+    without = tuple(name for name in ALL_BUT_ROBUST if name != "allreduce")
+    group = []
+    for node, vector, patched in zip(nodes(3), vectors, changed, strict=True):
+        with hivemind_as(True, *(ALL_BUT_ROBUST if patched else without)):
+            group.append(
+                (ends_alike if patched else DecentralizedAverager)(
+                    [vector.clone()],
+                    dht=node,
+                    prefix=f"pytest-one-result-{variant}",  # the shared nodes keep other variants' records
+                    compression=Uniform8BitQuantization(),
+                    # parts of 50,000 numbers in 8 bits (partition.py:70-72): two for each peer to reduce
+                    # (with hivemind's 512 KiB the whole vector is one part, and one peer reduces it all)
+                    part_size_bytes=50_000,
+                    target_group_size=3,
+                    min_matchmaking_time=MATCHMAKING,
+                    request_timeout=1.5,
+                    start=True,
+                )
+            )
+    try:
+        round_results([a.step(wait=False, timeout=MATCHMAKING + 10) for a in group], size=3)
+        held = []
+        for averager in group:
+            with averager.get_tensors() as (got,):
+                held.append(got.clone())
+    finally:
+        for averager in group:
+            averager.shutdown()
+    # 256 buckets over +-3 standard deviations of what is sent: about 0.7 % of its spread in each number
+    errors = [float(torch.linalg.vector_norm(h - mean) / torch.linalg.vector_norm(mean)) for h in held]
+    assert max(errors) < 0.03, errors
+    scale = float(mean.abs().max())
+    differ = [int(((h - held[0]).abs() > 1e-6 * scale).sum()) for h in held[1:]]
+    if variant == "plain":
+        assert min(differ) > size * 0.9, differ
+    elif variant == "patched":
+        assert differ == [0, 0], differ
+        norms = [float(torch.linalg.vector_norm(h, dtype=torch.float64)) for h in held]
+        assert max(norms) - min(norms) <= wiring.AGREEMENT_RTOL * max(norms), norms  # item 16 sees one state
+    else:  # the third reduced by the groupmate without the change differs, and it alone
+        assert size / 3 * 0.9 < differ[0] <= size / 3, differ
+        assert differ[1] > size * 0.9, differ

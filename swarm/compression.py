@@ -1,7 +1,10 @@
 """``--compression none|fp16|int8|powersgd:<rank>``: how tensors travel between peers.
 
-One spec chooses the wire format of all three exchanges: the gradient all-reduce (DiLoCo's pseudo-gradients
-in ``--averaging diloco``), the parameter averaging rounds, and the state download of a newcomer.
+One spec chooses the wire format of two exchanges: the gradient all-reduce (DiLoCo's pseudo-gradients in
+``--averaging diloco``) and the parameter averaging rounds. The state download of a newcomer (and of a peer
+that fell behind) always travels as float32: a peer that downloaded parameters rounded to float16 held a
+state 1e-7 to 1e-6 of its norm away from its donor's for good, so its groups were never found in agreement
+(docs/hivemind-patches.md item 16) and ran every state round.
 
 * ``none``: float32 everywhere.
 * ``fp16``: gradients and parameters as float16 (2 bytes per number).
@@ -58,7 +61,9 @@ class Compression:
         return NoCompression()  # none; powersgd compresses by factorising, its factors go as float32
 
     def state_compression(self) -> Any:
-        """Parameter averaging and the newcomer's download: parameters compressed, optimizer state not."""
+        """Parameter averaging rounds: parameters compressed, optimizer state not. Each peer adds the rounded
+        difference between the average and its own numbers (hivemind's all-reduce), so the rounding is that
+        of the difference, not of the weights."""
         from hivemind.compression import Float16Compression, NoCompression, RoleAdaptiveCompression
 
         if self.mode == "none":
@@ -67,11 +72,12 @@ class Compression:
 
     def optimizer_kwargs(self) -> dict[str, Any]:
         """Arguments of ``hivemind.Optimizer`` (the gradient averager's factory aside)."""
-        state = self.state_compression()
+        from hivemind.compression import NoCompression
+
         return dict(
             grad_compression=self.grad_compression(),
-            state_averaging_compression=state,
-            load_state_compression=state,
+            state_averaging_compression=self.state_compression(),
+            load_state_compression=NoCompression(),  # a download is the donor's state, to the last bit
         )
 
     def grad_averager_factory(self, base: Any = None, **kwargs: Any) -> Any:

@@ -333,3 +333,35 @@ def test_diloco_peers_that_match_early_find_their_group_while_they_compute(peers
         early = [r for r in averaged if r["matchmaking"] < 0.01]
         assert len(averaged) >= 4 and 2 * len(early) >= len(averaged), (s["rounds"], p.output()[-2500:])
         assert not s["rejected_gradient_rounds"], p.output()[-2500:]
+
+
+def test_diloco_peers_with_int8_pseudo_gradients_stay_in_agreement_and_skip_state_rounds(peers, tmp_path):
+    """Two DiLoCo peers with int8 pseudo-gradients and a state round due every 2nd epoch. The second
+    downloads its state from the first as it starts (float32, whatever --compression says), and every
+    outer round ends with the same averaged pseudo-gradient in both (the reducers answer with the average
+    itself, docs/hivemind-patches.md item 35), so their anchors stay equal and the state rounds are skipped
+    in agreement. Before, each added its own rounding of its difference from the average, and a download
+    came as float16: the anchors parted by about 1e-5 of their norm within a few rounds, and every state
+    round ran."""
+    run = "pytest-diloco-int8"
+    address = _bootstrap(peers, run, tmp_path)
+    common = (
+        "--max-epochs", "8", "--initial-peers", address, "--min-peers", "2",
+        "--compression", "int8", "--average-state-every", "2",
+    )  # fmt: skip
+    pair = [_diloco_peer(peers, name, run, tmp_path, *common, seed=i) for i, name in enumerate(("a", "b"))]
+    for p in pair:
+        assert p.wait(timeout=240) == 0, f"{p.name}:\n{p.output()[-4000:]}"
+    a, b = (read_summary(tmp_path, run, n) for n in ("a", "b"))
+    out = {p.name: p.output()[-2500:] for p in pair}
+    common_epochs = [e for e in a["checksums"] if e in b["checksums"]]
+    apart = {
+        e: max(abs(x - y) / abs(x) for x, y in zip(a["checksums"][e], b["checksums"][e], strict=True))
+        for e in common_epochs
+    }
+    assert len(common_epochs) >= 6 and max(apart.values()) < 1e-6, (apart, out)
+    for s in (a, b):
+        averaged = [r for r in s["rounds"] if r["outcome"] == "averaged" and r["group"] == 2]
+        assert len(averaged) >= 6, (s["rounds"], out)
+        assert s["round_ends"]["state_skipped_in_agreement"] >= 3, (s["round_ends"], s["rounds"], out)
+        assert not s["rejected_gradient_rounds"], out

@@ -7,7 +7,8 @@ module                 hivemind area (and the items of docs/hivemind-patches.md 
 ``matchmaking``        averaging/matchmaking.py: groups close when full (1), paced reads (20), a
                        search with nobody else in it ends (30)
 ``allreduce``          averaging/allreduce.py: one buffer per dtype and role (3), groupmates that
-                       never join (8), strangers named (11), banned groupmates in a formed round (28)
+                       never join (8), strangers named (11), banned groupmates in a formed round (28),
+                       one result for the whole group (35)
 ``state_averager``     optim/state_averager.py: untorn downloads (4), judged states (7), sane
                        epochs (9), bounded state matchmaking (12), held epoch (13), paced donor
                        records (18)

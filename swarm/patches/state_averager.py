@@ -440,7 +440,7 @@ class _SettledState:
         (``state_compression``'s estimate). The first run, the donor's, holds every parameter (the check
         judges the parameters, and they are the donor's own), and more tensors up to its share; the
         helpers' runs hold the rest: the extras and the optimizer's statistics (DiLoCo's outer momentum and
-        inner moments: 6 of the 7 bytes per parameter of a DiLoCo state with int8 or fp16). A donor of the
+        inner moments: 12 of the 16 bytes per parameter of a DiLoCo state). A donor of the
         same model lists the same tensors."""
         from hivemind.compression import CompressionInfo, TensorRole
         from hivemind.optim.state_averager import dump_optimizer_state

@@ -191,6 +191,16 @@ def _diloco_peer(peers, name, run, tmp_path, *extra, seed):
     return PeerProcess(name, args, peers)
 
 
+def _diloco_pair_to_the_end(peers, run, tmp_path, *extra) -> list:
+    """Peers a and b of a new DiLoCo swarm ``run`` (seeds 0 and 1), with ``extra`` flags, once both ended."""
+    address = _bootstrap(peers, run, tmp_path)
+    flags = ("--initial-peers", address, "--min-peers", "2", *extra)
+    pair = [_diloco_peer(peers, name, run, tmp_path, *flags, seed=i) for i, name in enumerate(("a", "b"))]
+    for p in pair:
+        assert p.wait(timeout=240) == 0, f"{p.name}:\n{p.output()[-4000:]}"
+    return pair
+
+
 def test_diloco_peers_end_each_outer_step_equal_and_a_newcomer_loads_inner_and_outer_state(peers, tmp_path):
     run = "pytest-diloco"
     address = _bootstrap(peers, run, tmp_path)
@@ -287,11 +297,7 @@ def test_diloco_peers_that_overlap_rounds_train_through_them_and_share_each_anch
     rounds (landing a round moves the parameters, nothing more), the loss falls, and they leave together
     once both say they ended."""
     run = "pytest-diloco-overlap"
-    address = _bootstrap(peers, run, tmp_path)
-    common = ("--max-epochs", "6", "--initial-peers", address, "--overlap-rounds", "--min-peers", "2")
-    pair = [_diloco_peer(peers, name, run, tmp_path, *common, seed=i) for i, name in enumerate(("a", "b"))]
-    for p in pair:
-        assert p.wait(timeout=240) == 0, f"{p.name}:\n{p.output()[-4000:]}"
+    pair = _diloco_pair_to_the_end(peers, run, tmp_path, "--max-epochs", "6", "--overlap-rounds")
     a, b = (read_summary(tmp_path, run, n) for n in ("a", "b"))
     out = {p.name: p.output()[-2500:] for p in pair}
     assert a["overlap_rounds"] and b["overlap_rounds"], out
@@ -319,14 +325,9 @@ def test_diloco_peers_that_match_early_find_their_group_while_they_compute(peers
     group already assembled when the phase ends (matchmaking under 10 ms in the round's record). Without it a
     group forms only after the phase ends: 70-330 ms of matchmaking in every round on loopback."""
     run = "pytest-diloco-early"
-    address = _bootstrap(peers, run, tmp_path)
-    common = (
-        "--max-epochs", "8", "--initial-peers", address, "--min-peers", "2",
-        "--round-seconds", "2", "--overlap-rounds", "--match-early",
-    )  # fmt: skip
-    pair = [_diloco_peer(peers, name, run, tmp_path, *common, seed=i) for i, name in enumerate(("a", "b"))]
-    for p in pair:
-        assert p.wait(timeout=240) == 0, f"{p.name}:\n{p.output()[-4000:]}"
+    pair = _diloco_pair_to_the_end(
+        peers, run, tmp_path, "--max-epochs", "8", "--round-seconds", "2", "--overlap-rounds", "--match-early"
+    )
     for name, p in zip(("a", "b"), pair, strict=True):
         s = read_summary(tmp_path, run, name)
         averaged = [r for r in s["rounds"] if r["outcome"] == "averaged" and r["group"] == 2]
@@ -344,14 +345,9 @@ def test_diloco_peers_with_int8_pseudo_gradients_stay_in_agreement_and_skip_stat
     came as float16: the anchors parted by about 1e-5 of their norm within a few rounds, and every state
     round ran."""
     run = "pytest-diloco-int8"
-    address = _bootstrap(peers, run, tmp_path)
-    common = (
-        "--max-epochs", "8", "--initial-peers", address, "--min-peers", "2",
-        "--compression", "int8", "--average-state-every", "2",
-    )  # fmt: skip
-    pair = [_diloco_peer(peers, name, run, tmp_path, *common, seed=i) for i, name in enumerate(("a", "b"))]
-    for p in pair:
-        assert p.wait(timeout=240) == 0, f"{p.name}:\n{p.output()[-4000:]}"
+    pair = _diloco_pair_to_the_end(
+        peers, run, tmp_path, "--max-epochs", "8", "--compression", "int8", "--average-state-every", "2"
+    )
     a, b = (read_summary(tmp_path, run, n) for n in ("a", "b"))
     out = {p.name: p.output()[-2500:] for p in pair}
     common_epochs = [e for e in a["checksums"] if e in b["checksums"]]

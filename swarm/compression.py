@@ -62,8 +62,8 @@ class Compression:
 
     def state_compression(self) -> Any:
         """Parameter averaging rounds: parameters compressed, optimizer state not. Each peer adds the rounded
-        difference between the average and its own numbers (hivemind's all-reduce), so the rounding is that
-        of the difference, not of the weights."""
+        difference between the average and its part as sent (docs/hivemind-patches.md item 36), so the
+        groupmates differ by the rounding of that difference, not of the weights."""
         from hivemind.compression import Float16Compression, NoCompression, RoleAdaptiveCompression
 
         if self.mode == "none":

@@ -343,21 +343,37 @@ def test_diloco_peers_with_int8_pseudo_gradients_stay_in_agreement_and_skip_stat
     itself, docs/hivemind-patches.md item 35), so their anchors stay equal and the state rounds are skipped
     in agreement. Before, each added its own rounding of its difference from the average, and a download
     came as float16: the anchors parted by about 1e-5 of their norm within a few rounds, and every state
-    round ran."""
+    round ran.
+
+    A round can end partial: in a fresh-clone suite one peer's parts stopped for next_chunk_timeout (10 s),
+    and each kept its own numbers for the missing share (record: ``partial``; 51-55 % received), 6.7e-4
+    apart. The state rounds that follow join them again (item 36: before, each float16 state round left each
+    peer its own rounding of its weights, 2e-4 of their norm apart, and the peers never agreed again)."""
     run = "pytest-diloco-int8"
     pair = _diloco_pair_to_the_end(
         peers, run, tmp_path, "--max-epochs", "8", "--compression", "int8", "--average-state-every", "2"
     )
     a, b = (read_summary(tmp_path, run, n) for n in ("a", "b"))
     out = {p.name: p.output()[-2500:] for p in pair}
-    common_epochs = [e for e in a["checksums"] if e in b["checksums"]]
+    sums = [{int(e): c for e, c in s["checksums"].items()} for s in (a, b)]
+    common_epochs = sorted(e for e in sums[0] if e in sums[1])
     apart = {
-        e: max(abs(x - y) / abs(x) for x, y in zip(a["checksums"][e], b["checksums"][e], strict=True))
+        e: max(abs(x - y) / abs(x) for x, y in zip(sums[0][e], sums[1][e], strict=True))
         for e in common_epochs
     }
-    assert len(common_epochs) >= 6 and max(apart.values()) < 1e-6, (apart, out)
+    outcomes = {s["peer_name"]: {r["epoch"]: r["outcome"] for r in s["rounds"]} for s in (a, b)}
+    partial = sorted(e for o in outcomes.values() for e, outcome in o.items() if outcome == "partial")
+    assert len(common_epochs) >= 6 and common_epochs[0] == 0 and apart[0] == 0.0, (apart, out)
+    for e in common_epochs[1:]:  # a round that both ended whole leaves two equal anchors equal
+        whole = all(o.get(e) == "averaged" for o in outcomes.values())
+        if whole and apart.get(e - 1, 1.0) < 1e-6:
+            assert apart[e] < 1e-6, (e, apart, outcomes, out)
+    assert apart[common_epochs[-1]] < 1e-6, (apart, outcomes, out)  # a state round mends a partial one
     for s in (a, b):
         averaged = [r for r in s["rounds"] if r["outcome"] == "averaged" and r["group"] == 2]
         assert len(averaged) >= 6, (s["rounds"], out)
-        assert s["round_ends"]["state_skipped_in_agreement"] >= 3, (s["round_ends"], s["rounds"], out)
+        # a partial round holds the next state round, and that one can leave the anchors a little over
+        # AGREEMENT_RTOL apart, so the one after runs too: one partial round costs 2 of the 4 skips at most
+        skipped = s["round_ends"]["state_skipped_in_agreement"]
+        assert skipped >= (2 if partial else 3), (partial, s["round_ends"], s["rounds"], out)
         assert not s["rejected_gradient_rounds"], out

@@ -10,9 +10,11 @@ A round ends in the local step at which the swarm has ``target_batch_size`` samp
 * ``update``: the optimizer's own update (AdamW, or DiLoCo's outer SGD);
 * ``other``: the rest (hivemind's bookkeeping, the progress tracker, finiteness checks).
 
-``outcome`` says what the update used: ``averaged`` (the group's average, ``group`` peers), ``local`` (the
-round failed; this peer's own gradient of the round, see swarm/patches/grad_averager.py) or ``alone`` (no
-other peer); ``downloaded`` when no round ran and the epoch came with a state downloaded from peers
+``outcome`` says what the update used: ``averaged`` (the group's average, ``group`` peers), ``partial`` (the
+group's average for the share ``received`` of the numbers, this peer's own for the rest: a groupmate's
+reducer failed or went silent for ``next_chunk_timeout`` in the middle of the round), ``local`` (the round
+failed; this peer's own gradient of the round, see swarm/patches/grad_averager.py) or ``alone`` (no other
+peer); ``downloaded`` when no round ran and the epoch came with a state downloaded from peers
 (a newcomer, or a peer that fell behind: hivemind's ``step`` downloads instead of averaging; ``group`` 0).
 ``strangers`` counts the groupmates that never learnt of this peer's gradient group
 (docs/hivemind-patches.md item 11: the state round of that epoch is skipped). ``rejected`` lists the averaged
@@ -62,7 +64,7 @@ class RoundClock:
 
     def _reset(self) -> None:
         self.parts = dict.fromkeys(PARTS, 0.0)
-        self.outcome, self.group, self.strangers = "alone", 1, 0
+        self.outcome, self.group, self.strangers, self.received = "alone", 1, 0, 1.0
         self.ran = False  # whether hivemind's epoch update ran since the last record (else: a download)
         self.rejected: list[str] = []
         self.agreed = False
@@ -99,8 +101,10 @@ class RoundClock:
                 if getattr(self.opt.grad_averager, "local_fallbacks", 0) > fallbacks:
                     self.outcome = "local"
                 elif control is not None and control.done() and control.exception() is None:
-                    self.outcome, self.group = "averaged", len(control.result())
-                    self.strangers = len(getattr(control.result(), "strangers", ()))
+                    result = control.result()
+                    self.received = getattr(result, "received", 1.0)
+                    self.outcome = "averaged" if self.received >= 1 else "partial"
+                    self.group, self.strangers = len(result), len(getattr(result, "strangers", ()))
 
         return wrapped
 
@@ -143,6 +147,7 @@ class RoundClock:
             **parts,
             "other": round(max(0.0, max(end_seconds, flight) - sum(self.parts.values())), 4),
             "outcome": self.outcome,
+            "received": round(self.received, 4),
             "group": self.group,
             "strangers": self.strangers,
             "rejected": self.rejected,
@@ -161,7 +166,7 @@ class RoundClock:
             values = [r.get(key, 0.0) for r in rounds]
             out[f"{key}_seconds_total"] = round(sum(values), 3)
             out[f"{key}_seconds_median"] = round(statistics.median(values), 4) if values else None
-        for outcome in ("averaged", "local", "alone", "downloaded"):
+        for outcome in ("averaged", "partial", "local", "alone", "downloaded"):
             out[outcome] = sum(r["outcome"] == outcome for r in rounds)
         out["rejected"] = sum(bool(r.get("rejected")) for r in rounds)
         out["met_strangers"] = sum(r.get("strangers", 0) > 0 for r in rounds)

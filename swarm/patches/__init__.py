@@ -8,7 +8,8 @@ module                 hivemind area (and the items of docs/hivemind-patches.md 
                        search with nobody else in it ends (30)
 ``allreduce``          averaging/allreduce.py: one buffer per dtype and role (3), groupmates that
                        never join (8), strangers named (11), banned groupmates in a formed round (28),
-                       one result for the whole group (35)
+                       one result for the whole group (35), differences added to the part as sent
+                       and partial rounds named (36)
 ``state_averager``     optim/state_averager.py: untorn downloads (4), judged states (7), sane
                        epochs (9), bounded state matchmaking (12), held epoch (13), paced donor
                        records (18)

@@ -37,6 +37,14 @@ compression and sent alike to every sender that asked, and uses the same decoded
 Every groupmate then holds the same numbers, to float rounding. The state averager keeps hivemind's
 differences: its parameters travel as float16, which would round the weights themselves. An unmarked sender
 or a reducer without the change gets or gives hivemind's differences, as before.
+
+**Differences added to the part as sent** (item 36). hivemind's reducer computes a sender's difference from
+the part as it decoded it (allreduce.py:353), and the sender added it to its numbers before compression: each
+groupmate of a float16 state round ended it with the average plus its own rounding of its weights (up to
+4.9e-4 at 1), and peers that had parted never agreed again. A sender keeps what it sent until the round ends
+and adds the difference to that, decoded. A round in which a reducer failed or went silent is partial (each
+peer keeps its own numbers for the rest of that slice); the result (:class:`Gathered`) says which share came
+back (``received``).
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ AWAKE_AT_MOST = 2 * NOTED_EVERY  # of one look's wall time, what counts toward r
 # "answer me with the average"; on a reducer's answer, "this is the average, not the difference from my part"
 ONE_RESULT = b"swarm:one-result"
 _RESULTS = "_swarm_results"  # attribute of one round's AllReduceRunner: its serialized averages, by part
+_SENT = "_swarm_sent"  # the same: the parts this peer sent, as sent, by groupmate (item 36)
 
 
 class EndsWithOneResult:
@@ -100,17 +109,21 @@ class Gathered(dict):
     ``strangers`` names those (item 11). Travels from the averager process to the peer's (pickled)."""
 
     strangers: frozenset = frozenset()
+    # the share of this peer's numbers that came back averaged: below 1 when a reducer failed or was too slow
+    # (hivemind then keeps this peer's own numbers for the rest of that reducer's slice, partition.py:128-139)
+    received: float = 1.0
 
     @classmethod
-    def without(cls, gathered: dict, strangers: Any) -> Gathered:
+    def without(cls, gathered: dict, strangers: Any, received: float = 1.0) -> Gathered:
         out = cls((peer, data) for peer, data in gathered.items() if peer not in strangers)
-        out.strangers = frozenset(strangers)
+        out.strangers, out.received = frozenset(strangers), received
         return out
 
 
 class NamesStrangers:
-    """Mixin for hivemind's gradient averagers: a round's result names the strangers (item 11). Runs in the
-    averager process; needs :func:`install` (which notes the strangers on the round's runner)."""
+    """Mixin for hivemind's gradient averagers: a round's result names the strangers (item 11) and the share
+    of this peer's numbers that came back averaged. Runs in the averager process; needs :func:`install`
+    (which notes the strangers on the round's runner)."""
 
     async def _aggregate_with_group(self, group_info: Any, *args: Any, **kwargs: Any) -> Any:
         gathered = await super()._aggregate_with_group(group_info, *args, **kwargs)
@@ -118,7 +131,10 @@ class NamesStrangers:
         future = self._running_groups.get(group_info.group_id)
         runner = future.result() if future is not None and future.done() else None
         strangers = getattr(runner, _STRANGERS, ())
-        return Gathered.without(gathered, strangers) if strangers else gathered
+        container = getattr(runner, "tensor_part_container", None)
+        failed, total = getattr(container, "failed_size", 0), getattr(container, "total_size", 0)
+        received = 1.0 - failed / total if failed and total else 1.0
+        return Gathered.without(gathered, strangers, received) if strangers or received < 1 else gathered
 
 
 def _packable(averager: Any) -> bool:
@@ -186,7 +202,7 @@ def _targets() -> list[tuple[Any, str, Any]]:
     from hivemind.averaging.averager import DecentralizedAverager
     from hivemind.averaging.partition import AllreduceException, BannedException
     from hivemind.compression import deserialize_torch_tensor
-    from hivemind.proto import averaging_pb2
+    from hivemind.proto import averaging_pb2, runtime_pb2
     from hivemind.utils.asyncio import (
         achain,
         aiter_with_timeout,
@@ -251,12 +267,12 @@ def _targets() -> list[tuple[Any, str, Any]]:
             await _parts_to_banned(self, peer_id)
             return
         try:
-            if not _one_result(self):
-                await communicate(self, peer_id)
-            elif peer_id == self.peer_id:
+            if peer_id != self.peer_id:
+                await _exchange_parts(self, peer_id)
+            elif _one_result(self):
                 await _reduce_own_parts(self)
             else:
-                await _exchange_parts(self, peer_id)
+                await communicate(self, peer_id)
         except Exception as exc:
             if peer_id in self.sender_peer_ids and peer_id not in self.active_senders:
                 if str(exc).endswith("sent BAD_GROUP_ID"):
@@ -282,13 +298,16 @@ def _targets() -> list[tuple[Any, str, Any]]:
             container.register_processed_part(peer_index, part_index, decoded - tensor_part)
 
     async def _exchange_parts(self: Any, peer_id: Any) -> None:
-        """hivemind's ``_communicate_with_peer`` for a groupmate's slice (allreduce.py:212-257): this peer's
-        parts go out marked :data:`ONE_RESULT` (:func:`_generate_marked`), and an answer marked so is the
-        average itself, turned here into the difference from this peer's part that hivemind expects (an
-        unmarked answer, from a reducer without item 35, is that difference already)."""
+        """hivemind's ``_communicate_with_peer`` for a groupmate's slice (allreduce.py:212-257). Where the
+        round must end with one result, this peer's parts go out marked :data:`ONE_RESULT`
+        (:func:`_generate_marked`), and an answer marked so is the average itself, turned here into the
+        difference from this peer's part that hivemind expects. An unmarked answer is hivemind's difference
+        between the average and the part as the reducer decoded it: it is added to that decoded part, not to
+        this peer's own numbers before compression (item 36)."""
         container = self.tensor_part_container
         peer_index = self.ordered_peer_ids.index(peer_id)
         own = container._input_parts_by_peer[peer_index]
+        sent = self.__dict__.setdefault(_SENT, {}).setdefault(peer_index, [])
         try:
             done_sending = asyncio.Event()
             inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
@@ -296,18 +315,25 @@ def _targets() -> list[tuple[Any, str, Any]]:
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
 
-            def decode(msg: Any) -> tuple[torch.Tensor, bool]:
+            def decode(msg: Any, index: int) -> torch.Tensor:
+                """The difference from this peer's part ``index`` that the answer ``msg`` gives."""
                 if msg.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
-                return deserialize_torch_tensor(msg.tensor_part), msg.peer_id == ONE_RESULT
+                if index >= len(own):
+                    raise AllreduceException(f"peer {peer_id} sent more than {len(own)} parts")
+                value = deserialize_torch_tensor(msg.tensor_part)
+                if msg.peer_id == ONE_RESULT:  # the average itself
+                    return value - own[index][0]
+                # the reducer answers only parts it has received, so this one went out, as sent[index]
+                part = sent[index] if index < len(sent) else None
+                if part is None or part.compression == runtime_pb2.CompressionType.NONE:
+                    return value
+                return value + (deserialize_torch_tensor(part) - own[index][0])
 
             part_index = 0
-            async for value, average in amap_in_executor(
-                decode, aiter_with_timeout(stream, self.reducer_timeout), max_prefetch=container.prefetch
-            ):
-                if part_index >= len(own):
-                    raise AllreduceException(f"peer {peer_id} sent more than {len(own)} parts")
-                delta = value - own[part_index][0] if average else value
+            replies = aiter_with_timeout(stream, self.reducer_timeout)
+            indices = as_aiter(*range(len(own) + 1))  # one past the end: a reply too many is an error
+            async for delta in amap_in_executor(decode, replies, indices, max_prefetch=container.prefetch):
                 container.register_processed_part(peer_index, part_index, delta)
                 part_index += 1
             if part_index != container.num_parts_by_peer[peer_index]:
@@ -323,9 +349,12 @@ def _targets() -> list[tuple[Any, str, Any]]:
 
     async def _generate_marked(self: Any, peer_index: int) -> Any:
         """hivemind's ``_generate_input_for_peer``; the first part of a round that must end with one result
-        asks its reducer for the average itself (item 35)."""
+        asks its reducer for the average itself (item 35). Each part sent is kept, as sent, until the round
+        ends: the reducer's difference is from that (item 36)."""
         first = _one_result(self)
+        sent = self.__dict__.setdefault(_SENT, {}).setdefault(peer_index, [])
         async for message in generate_input(self, peer_index):
+            sent.append(message.tensor_part)
             if first:
                 message.peer_id, first = ONE_RESULT, False
             yield message

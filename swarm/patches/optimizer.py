@@ -521,6 +521,8 @@ def in_agreement(gathered: Any, rtol: float = AGREEMENT_RTOL) -> bool:
     (``{"state": state_summary or None, "peers": int}``); anything malformed counts as disagreement."""
     if not isinstance(gathered, dict) or len(gathered) < 2 or getattr(gathered, "strangers", None):
         return False
+    if getattr(gathered, "received", 1.0) < 1:  # a partial round: this peer kept some of its own numbers
+        return False
     sent = list(gathered.values())
     states = []
     for data in sent:

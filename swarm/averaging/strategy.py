@@ -492,7 +492,18 @@ class HivemindStrategy(SingleDeviceStrategy):
             if self.diloco.loaded is None:
                 self.diloco.loaded = self.diloco.state_norms()
         self.loaded_epoch = self.hivemind_opt.local_epoch
-        if self.loaded_epoch != before or self.hivemind_opt.tracker.global_progress.num_peers > 1:
+        # item 25: whether a donor's state arrived and stands (hivemind's download returns quietly otherwise)
+        answered = getattr(self.hivemind_opt.state_averager, "donor_answered", True)
+        tracker = self.hivemind_opt.tracker
+        others = tracker.global_progress.num_peers > 1
+        if not answered and tracker.global_epoch > self.loaded_epoch:
+            log.warning(
+                "No donor sent a state that this peer could take (too slow, gone, or refused); the swarm is "
+                "at global epoch %d, this peer trains from its own parameters at %d until its next download",
+                tracker.global_epoch,
+                self.loaded_epoch,
+            )
+        elif self.loaded_epoch != before or others:
             log.info("Loaded the swarm's state from peers: global epoch %d", self.loaded_epoch)
         else:
             log.info(

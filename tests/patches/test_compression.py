@@ -22,7 +22,7 @@ def _decoded_by_hand(serialized: runtime_pb2.Tensor) -> torch.Tensor:
     size = int(np.frombuffer(buffer, count=1, dtype=np.int64)[0])
     codebook = torch.as_tensor(np.frombuffer(buffer, offset=8, count=size, dtype=np.float32).copy())
     indices = np.frombuffer(buffer, offset=8 + 4 * size, dtype=np.uint8)
-    return codebook[torch.as_tensor(indices, dtype=torch.int64)].reshape(tuple(serialized.size))
+    return codebook[torch.from_numpy(indices.astype(np.int64))].reshape(tuple(serialized.size))
 
 
 @pytest.mark.parametrize("codec", ["UNIFORM_8BIT", "QUANTILE_8BIT"])

@@ -12,7 +12,7 @@ module                 hivemind area (and the items of docs/hivemind-patches.md 
                        and partial rounds named (36)
 ``state_averager``     optim/state_averager.py: untorn downloads (4), judged states (7), sane
                        epochs (9), bounded state matchmaking (12), held epoch (13), paced donor
-                       records (18)
+                       records (18), downloads waited for while their chunks come (37)
 ``grad_averager``      optim/grad_averager.py: a failed round steps on the peer's own gradient (2)
 ``progress``           optim/progress_tracker.py: throttled records (6), reads when speeds are
                        unknown (14, 19), the swarm expected at a new epoch (15), records that

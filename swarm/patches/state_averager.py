@@ -47,6 +47,11 @@ member of a state round takes the largest epoch it gathered, whatever its size.
   the optimizer's statistics, in slices at the same time (``rpc_download_state_part``); a slice that fails or
   comes from another epoch is asked of the donor, and a state put together that the screen or the check
   refuses is asked of the donor alone.
+- item 37: hivemind waits for a download at most ``load_state_timeout`` in all (averaging/averager.py:682),
+  then gives up and asks again, while the first download goes on in the averager process and competes with the
+  second for the donors' uplinks. A download from a donor this peer chose (item 23) notes each chunk as it
+  arrives (``_swarm_last_chunk``, shared with the averager process), and is waited for while its chunks keep
+  coming, up to ``DOWNLOAD_CAP`` times ``load_state_timeout``.
 - item 33: where ``keeps_own_extras`` says the extras are each peer's own (DiLoCo's inner moments), a peer
   that holds a state of its own (``holds_own_state``: it took an epoch's step or a download) downloads the
   parameters and the optimizer's statistics alone, and its own extras complete the state before hivemind
@@ -62,6 +67,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing as mp
 import threading
 import time
 from functools import cache
@@ -77,6 +83,8 @@ log = logging.getLogger(__name__)
 DECLARE_EVERY = 5.0  # item 18: seconds between two of a donor's declarations that only change its epoch
 DONORS_TRIED = 3  # item 23: donors asked in one download at most
 REFUSE_FOR = 300.0  # item 23: seconds for which a donor whose state was refused is not asked again
+# item 37: a download whose chunks keep coming is waited for past load_state_timeout, up to this many times it
+DOWNLOAD_CAP = 4
 # item 31: a helper donor (one that sends a slice) may declare an epoch this much older than the donor it
 # helps: a donor stores a changed epoch at most every DECLARE_EVERY seconds (item 18), so one declared epoch
 # behind is often the same state; the epochs that the slices arrive with are what is compared
@@ -217,6 +225,8 @@ class _SettledState:
         self.keeps_own_extras = False
         self.holds_own_state = False
         self._swarm_kept: tuple[int, int] | None = None  # averager process: [start, stop) not asked for
+        # item 37: time.monotonic() of the last chunk of a download, written in the averager process
+        self._swarm_last_chunk = mp.Value("d", 0.0, lock=False)
         super().__init__(*args, **kwargs)  # starts the thread that serves the state
         # a donor whose refused state shares nothing with the swarm's is banned only where the peers are meant
         # to hold one state: DiLoCo's peers (extra tensors: their inner moments) hold their groups' anchors,
@@ -608,6 +618,7 @@ class _SettledState:
             stream = await stub.rpc_download_state_part(wrappers_pb2.BytesValue(value=asked))
         metadata, parts, tensors = None, [], []
         async for message in aiter_with_timeout(stream, timeout=timeout):
+            self._swarm_last_chunk.value = time.monotonic()  # item 37: the download goes on
             if message.metadata:
                 metadata = self.serializer.loads(message.metadata)
             if message.tensor_part.dtype and parts:
@@ -909,6 +920,25 @@ def _not_whole(averager: Any, loaded: tuple) -> str | None:
     return None
 
 
+def _await_download(averager: Any, future: Any, timeout: float | None) -> Any:
+    """Item 37: the result of the download ``future`` (hivemind's MPFuture); after ``timeout`` seconds,
+    TimeoutError as hivemind raises it, unless a chunk arrived within the averager's wait for a chunk
+    (``next_chunk_timeout``): then it is waited for on, up to ``DOWNLOAD_CAP`` times ``timeout``."""
+    if timeout is None:
+        return future.result()
+    began = time.monotonic()
+    # the averager process's wait for a chunk (averager.py:686; request_timeout is read here from its kwargs)
+    quiet = averager.next_chunk_timeout or averager.matchmaking_kwargs["request_timeout"]
+    while True:
+        try:
+            return future.result(timeout=0.25)
+        except TimeoutError:
+            now = time.monotonic()
+            alive = began < averager._swarm_last_chunk.value > now - quiet
+            if now - began >= DOWNLOAD_CAP * timeout or (now - began >= timeout and not alive):
+                raise
+
+
 def _beneath(averager: type) -> type:
     """``averager`` (hivemind's DecentralizedAverager) with the changes that TrainingStateAverager reaches
     through ``super()``: placed between the two in the class order, it sees their calls in this process.
@@ -922,7 +952,8 @@ def _beneath(averager: type) -> type:
     - ``load_state_from_peers`` (item 25): notes whether it returned a downloaded state; it sees what
       TrainingStateAverager.load_state_from_peers receives (state_averager.py:667) before that method applies
       the state, or drops it as older than this peer's own (state_averager.py:672); and (item 32) whether the
-      donor could not be dialled; (item 33) a download without the extras gets this peer's own there."""
+      donor could not be dialled; (item 33) a download without the extras gets this peer's own there; (item
+      37) it waits while the download's chunks keep coming (:func:`_await_download`)."""
     from hivemind.utils import get_dht_time
 
     def step(self: Any, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
@@ -936,8 +967,11 @@ def _beneath(averager: type) -> type:
             timeout = within if timeout is None else min(timeout, within)
         return super(beneath, self).step(*args, timeout=timeout, **kwargs)
 
-    def load_state_from_peers(self: Any, *args: Any, **kwargs: Any) -> Any:
-        loaded = super(beneath, self).load_state_from_peers(*args, **kwargs)
+    def load_state_from_peers(self: Any, wait: bool = True, timeout: float | None = None) -> Any:
+        future = super(beneath, self).load_state_from_peers(wait=False, timeout=timeout)
+        if not wait:
+            return future
+        loaded = _await_download(self, future, timeout)
         if isinstance(loaded, Unreachable):  # item 32: nothing arrived; the caller asks the next donor
             self._swarm_unreachable = loaded.why
             return None

@@ -669,6 +669,62 @@ def test_a_download_cut_short_is_dropped_whole_not_failed_with_an_error(request,
         _shutdown(a, b)
 
 
+@pytest.mark.parametrize("waits", [False, True], ids=["given up at the timeout", "waited for"])
+def test_a_download_whose_chunks_keep_coming_is_waited_for_past_the_timeout(request, waits, monkeypatch):
+    """Item 37. A donor behind a slow uplink sends its state a chunk every 0.3 s, about 6 s in all, to a
+    downloader that allows 2 s (``load_state_timeout``). hivemind gives up at 2 s and raises TimeoutError
+    (averaging/averager.py:682; hivemind.Optimizer then asks again), while the averager process goes on with
+    the first download, which lands on a future nobody reads. The swarm's state averager waits while the
+    chunks keep coming, and the state arrives."""
+    import asyncio
+    from typing import get_type_hints
+
+    from swarm.averaging.donors import DonorCheck
+
+    node_a, node_b = _nodes(request, True, 2)
+    torch.manual_seed(0)
+    net_a, net_b = (torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(10))) for _ in range(2))
+    base = _class(True)
+
+    async def slowly(self, _request, context):
+        async for message in base.rpc_download_state(self, _request, context):
+            await asyncio.sleep(0.3)
+            yield message
+
+    # the p2p handler's types are read from its annotations (hivemind/p2p/servicer.py)
+    slowly.__annotations__ = get_type_hints(base.rpc_download_state)
+
+    prefix = f"pytest-sa-slow-donor-{waits}"
+    if not waits:  # the downloader as hivemind waits: one limit for the whole download
+        monkeypatch.setattr(state_averager, "DOWNLOAD_CAP", 1)
+    a = base(dht=node_a, params=net_a.parameters(), prefix=prefix, optimizer=partial(torch.optim.SGD, lr=0.1),
+             start=True, request_timeout=1.5)  # fmt: skip
+    try:
+        b = _class(True, rpc_download_state=slowly)(
+            dht=node_b, params=net_b.parameters(), prefix=prefix, optimizer=partial(torch.optim.SGD, lr=0.1),
+            start=True,
+        )  # fmt: skip
+    except BaseException:
+        a.shutdown()
+        raise
+    a.check_download = DonorCheck(node_a, f"{prefix}-run", a.peer_id.to_base58())
+    try:
+        b.local_epoch, b.state_sharing_priority = 3, 3
+        assert wait_until(lambda: _donor_visible(node_a, prefix, b), timeout=30)
+        began = time.monotonic()
+        if not waits:
+            with pytest.raises(TimeoutError):
+                a.load_state_from_peers(timeout=2.0)
+            assert time.monotonic() - began < 4 and a.local_epoch == 0 and not _holds(net_a, _copies(net_b))
+            return
+        a.load_state_from_peers(timeout=2.0)
+        took = time.monotonic() - began
+        assert took > 2.0 and a.donor_answered and a.local_epoch == 3, (took, a.local_epoch)
+        assert _holds(net_a, _copies(net_b))
+    finally:
+        _shutdown(a, b)
+
+
 @PLAIN_OR_PATCHED
 def test_peers_that_average_their_state_leave_the_round_at_one_epoch(request, patched):
     """Item 9. With ``sync_epoch_when_averaging`` every member of a state round takes the largest epoch it

@@ -326,7 +326,7 @@ def _targets() -> list[tuple[Any, str, Any]]:
                     return value - own[index][0]
                 # the reducer answers only parts it has received, so this one went out, as sent[index]
                 part = sent[index] if index < len(sent) else None
-                if part is None or part.compression == runtime_pb2.CompressionType.NONE:
+                if part is None:  # sent uncompressed: as decoded, it is this peer's own part
                     return value
                 return value + (deserialize_torch_tensor(part) - own[index][0])
 
@@ -350,11 +350,13 @@ def _targets() -> list[tuple[Any, str, Any]]:
     async def _generate_marked(self: Any, peer_index: int) -> Any:
         """hivemind's ``_generate_input_for_peer``; the first part of a round that must end with one result
         asks its reducer for the average itself (item 35). Each part sent is kept, as sent, until the round
-        ends: the reducer's difference is from that (item 36)."""
+        ends: the reducer's difference is from that (item 36); an uncompressed one is noted as None (it is
+        this peer's own numbers)."""
         first = _one_result(self)
         sent = self.__dict__.setdefault(_SENT, {}).setdefault(peer_index, [])
+        lossless = runtime_pb2.CompressionType.NONE
         async for message in generate_input(self, peer_index):
-            sent.append(message.tensor_part)
+            sent.append(None if message.tensor_part.compression == lossless else message.tensor_part)
             if first:
                 message.peer_id, first = ONE_RESULT, False
             yield message

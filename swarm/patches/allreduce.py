@@ -42,9 +42,17 @@ or a reducer without the change gets or gives hivemind's differences, as before.
 the part as it decoded it (allreduce.py:353), and the sender added it to its numbers before compression: each
 groupmate of a float16 state round ended it with the average plus its own rounding of its weights (up to
 4.9e-4 at 1), and peers that had parted never agreed again. A sender keeps what it sent until the round ends
-and adds the difference to that, decoded. A round in which a reducer failed or went silent is partial (each
-peer keeps its own numbers for the rest of that slice); the result (:class:`Gathered`) says which share came
-back (``received``).
+and adds the difference to that, decoded. A round in which a reducer failed or went silent is partial; the
+result (:class:`Gathered`) says which share came back (``received``).
+
+**A slice that never came back is zero** (item 38). hivemind keeps a peer's own numbers for the slice of a
+reducer that failed (partition.py:128-136). When a groupmate dies in the middle of a round, every survivor
+lacks its slice, and each kept its own: with DiLoCo pseudo-gradients the survivors' anchors parted by the
+difference of their own phases there, and the outer momentum carried that on for some ten rounds. In the
+volunteers lab under churn the peers held one state until the first peer was killed, then nearly as many
+states as peers, and honest peers' val loss jumped above 1 again and again. In a round that must end with one
+result such a slice comes back as zeros, alike in every survivor: that slice's step is left to the momentum,
+which the survivors hold alike.
 """
 
 from __future__ import annotations
@@ -104,13 +112,29 @@ async def _serialized_average(runner: Any, part_index: int, averaged: torch.Tens
     return await results[key]
 
 
+def register_missing(container: Any, peer_index: int, zero: bool) -> None:
+    """hivemind's ``register_failed_reducer`` (partition.py:128-136): the parts of groupmate ``peer_index``'s
+    slice that did not come back. hivemind keeps this peer's own numbers there; with ``zero`` (a round that
+    must end with one result, item 38) the slice comes back as zeros, which every groupmate that lost the
+    same reducer holds alike. Either way the parts count in ``failed_size``."""
+    if not zero or not container.return_deltas:
+        container.register_failed_reducer(peer_index)
+        return
+    for part_index in range(
+        container._outputs_registered_by_peer[peer_index], container.num_parts_by_peer[peer_index]
+    ):
+        part = container._input_parts_by_peer[peer_index][part_index][0]
+        container.register_processed_part(peer_index, part_index, -part)  # part + delta = 0
+        container.failed_size += part.numel()
+
+
 class Gathered(dict):
     """What an averaging round gathered, by peer, without the groupmates that never learnt of the group;
     ``strangers`` names those (item 11). Travels from the averager process to the peer's (pickled)."""
 
     strangers: frozenset = frozenset()
     # the share of this peer's numbers that came back averaged: below 1 when a reducer failed or was too slow
-    # (hivemind then keeps this peer's own numbers for the rest of that reducer's slice, partition.py:128-139)
+    # (the rest of that reducer's slice holds this peer's own numbers, or zeros: :func:`register_missing`)
     received: float = 1.0
 
     @classmethod
@@ -344,7 +368,7 @@ def _targets() -> list[tuple[Any, str, Any]]:
         except BaseException as exc:
             if isinstance(exc, Exception):
                 log.debug("Caught %r when communicating to %s", exc, peer_id, exc_info=True)
-            container.register_failed_reducer(peer_index)
+            register_missing(container, peer_index, zero=_one_result(self))
             raise
 
     async def _generate_marked(self: Any, peer_index: int) -> Any:

@@ -4,6 +4,7 @@ hivemind, where it shows the failure, and with the patch."""
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -640,3 +641,55 @@ def test_a_float16_state_round_leaves_its_groupmates_in_one_state(nodes, patched
     else:
         assert min(apart) > 1e-4, apart  # float16's rounding of the weights themselves, each its own
         assert not one_state, norms
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["hivemind: own numbers", "one result: zeros"])
+def test_a_slice_whose_reducer_died_comes_back_alike_in_every_survivor(zero):
+    """Item 38. Two survivors of a group of three, whose third groupmate died in the middle of the round: each
+    holds the live reducers' averages for their slices (one result, item 35), and neither got the dead
+    reducer's slice back. hivemind's ``register_failed_reducer`` (partition.py:128-136) keeps each survivor's
+    own numbers there, so the two end the round apart by the difference of their own parts (with DiLoCo
+    pseudo-gradients, their anchors part, and the outer momentum carries it on); in a round that must end with
+    one result the slice comes back as zeros, alike in both. hivemind's own TensorPartContainer, as its
+    all-reduce fills and reads it (averager.py:553-557 adds each output to the local tensor)."""
+    gen = torch.Generator().manual_seed(38)
+    size, dead = 30_000, 2
+    average = torch.randn(size, generator=gen)  # what the live reducers answered (the same to both)
+    held, missing = [], []
+    for _ in range(2):
+        local = torch.randn(size, generator=gen)
+        container = TensorPartContainer([local], [1.0, 1.0, 1.0], part_size_bytes=4_000)
+        offset, lost = 0, slice(0, 0)
+        for peer in range(3):
+            parts = [part for part, _ in container._input_parts_by_peer[peer]]
+            if peer == dead:
+                lost = slice(offset, offset + sum(len(p) for p in parts))
+                allreduce.register_missing(container, peer, zero=zero)
+            else:
+                for index, part in enumerate(parts):
+                    container.register_processed_part(
+                        peer, index, average[offset : offset + len(part)] - part
+                    )
+                    offset += len(part)
+
+        async def outputs(container=container) -> list[torch.Tensor]:
+            return [delta async for delta in container.iterate_output_tensors()]
+
+        (delta,) = asyncio.run(outputs())
+        held.append(local + delta)
+        assert container.failed_size == lost.stop - lost.start  # what Gathered.received reads
+        container.finalize()  # as the runner does ("Averaging: received 66.7% results")
+        missing.append((lost, local[lost].clone()))
+    (lost, _), (lost_too, _) = missing
+    assert lost == lost_too and size / 3 * 0.9 < lost.stop - lost.start < size / 3 * 1.1, lost
+    kept = torch.ones(size, dtype=torch.bool)
+    kept[lost] = False
+    for h in held:  # the live reducers' slices: their average, in both variants
+        torch.testing.assert_close(h[kept], average[kept])
+    if zero:  # the same numbers, to the float rounding of local + (average - local)
+        torch.testing.assert_close(held[0], held[1], rtol=0, atol=1e-6)
+        assert not held[0][lost].any() and not held[1][lost].any()
+    else:
+        for h, (_, own) in zip(held, missing, strict=True):
+            assert torch.equal(h[lost], own)
+        assert float((held[0] - held[1]).abs().max()) > 1.0  # two survivors, two results

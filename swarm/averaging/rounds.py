@@ -68,7 +68,6 @@ class RoundClock:
         self.ran = False  # whether hivemind's epoch update ran since the last record (else: a download)
         self.rejected: list[str] = []
         self.agreed = False
-        self.parted = False  # a state round held because the groupmates sent different states (item 39)
 
     # ---- wrappers ---------------------------------------------------------------------------------------
     def _marked_round(self, method: Callable[..., Any]) -> Callable[..., Any]:
@@ -153,7 +152,6 @@ class RoundClock:
             "strangers": self.strangers,
             "rejected": self.rejected,
             "agreed": self.agreed,
-            "parted": self.parted,
             "state_away": None if state_away is None else round(state_away, 4),
         }
         self.rounds.append(record)
@@ -173,7 +171,6 @@ class RoundClock:
         out["rejected"] = sum(bool(r.get("rejected")) for r in rounds)
         out["met_strangers"] = sum(r.get("strangers", 0) > 0 for r in rounds)
         out["state_skipped_in_agreement"] = sum(bool(r.get("agreed")) for r in rounds)
-        out["state_held_for_parted_group"] = sum(bool(r.get("parted")) for r in rounds)
         return out
 
     def close(self) -> None:

@@ -417,7 +417,6 @@ class HivemindStrategy(SingleDeviceStrategy):
                 on_screened_state=self._on_screened_state,
                 skip_agreed_state_rounds=self.skip_agreed_state_rounds,
                 on_agreed=self._on_agreed_state,
-                on_parted=self._on_parted_state,
                 on_local_fallback=self._on_local_fallback,
                 alone_grace=2 * self._optimizer_kwargs["matchmaking_time"],
                 on_silent=self._on_silent_peers,
@@ -638,16 +637,6 @@ class HivemindStrategy(SingleDeviceStrategy):
         if self.clock is not None:
             self.clock.agreed = True
         log.debug("The %d peers of global epoch %d's round hold one state: no state round", group, epoch)
-
-    def _on_parted_state(self, epoch: int, group: int) -> None:
-        if self.clock is not None:
-            self.clock.parted = True
-        log.info(
-            "The %d peers of global epoch %d's round held different states (a round some of them missed, or "
-            "a groupmate that left in the middle of one): they average their states in this epoch",
-            group,
-            epoch,
-        )
 
     def _on_screened_state(self, epoch: int, reason: str) -> None:
         log.info(

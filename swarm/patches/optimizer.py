@@ -24,8 +24,6 @@ methods of one running optimizer, and :func:`wire` applies them in the order the
   would be numbered with the newest epoch ("Catching up with collaboration step", optimizer.py:705-707).
 - item 16, :func:`skip_state_rounds_in_agreement`: a state round whose group already holds one state is
   skipped (decided from summaries sent with the gradient round's all-gather).
-- item 39, :func:`hold_state_rounds_of_parted_groups`: a DiLoCo round whose groupmates sent different states
-  is followed by a state round in the same epoch, due or not.
 - item 17, :func:`number_steps_by_epoch`: AdamW's step counters follow the global epoch.
 - items 24, 25 and 32, :func:`decide_downloads_after_refusals`: a donor whose state this peer refused, a
   progress record that claims an epoch no donor served, or the records of a donor that left (its dial
@@ -89,9 +87,6 @@ class Wiring:
     """Told (epoch, strangers) when a state round is skipped to meet strangers (item 11)."""
     skip_agreed_state_rounds: bool = True
     on_agreed: Callable[[int, int], None] | None = None
-    on_parted: Callable[[int, int], None] | None = None
-    """Told (epoch, group size) when a DiLoCo peer holds a state round because its groupmates sent different
-    states (item 39)."""
     """Told (epoch, group size) when a state round is skipped in agreement (item 16)."""
     on_screened_state: Callable[[int, str], None] | None = None
     """Told (epoch, reason) when a state round is skipped after the screen rejected the gradient round (item
@@ -180,8 +175,6 @@ def wire(opt: Any, wiring: Wiring) -> Wired:
         skip_state_rounds_after_rejection(opt, wiring.screen, wiring.on_screened_state)
     if wiring.skip_agreed_state_rounds:  # item 16; DiLoCo: agreement on anchors and outer momentum
         skip_state_rounds_in_agreement(opt, wiring.on_agreed, local_extras=wiring.diloco)
-        if wiring.diloco:  # item 39; outermost, so that the skips above keep their say
-            hold_state_rounds_of_parted_groups(opt, wiring.on_parted)
     wired.hooks = lock_updates(opt.state_averager, wiring.update_optimizer)  # item 4
     if not wiring.diloco:  # after the lock's hook: the counters change under the lock (item 17)
         wired.hooks.append(number_steps_by_epoch(opt.state_averager, wiring.update_optimizer))
@@ -565,8 +558,7 @@ def skip_state_rounds_in_agreement(opt: Any, on_skip: Any = None, local_extras: 
 
     def gather() -> dict[str, Any]:
         due = (opt.local_epoch + 1) % opt.average_state_every == 0
-        # DiLoCo: every round, so that a group whose anchors parted holds its state round at once (item 39)
-        summary = state_summary(opt, local_extras) if due or local_extras else None
+        summary = state_summary(opt, local_extras) if due else None
         return {"state": summary, "peers": opt.tracker.global_progress.num_peers}
 
     averager.gather_hook = gather
@@ -579,78 +571,6 @@ def skip_state_rounds_in_agreement(opt: Any, on_skip: Any = None, local_extras: 
         return len(gathered) if own_results() == before and in_agreement(gathered) else None
 
     _skip_state_rounds_after(opt, note, on_skip, before=own_results)
-
-
-def parted(gathered: Any, rtol: float = AGREEMENT_RTOL) -> bool:
-    """Item 39: whether a whole gradient round (no strangers, every number back) showed its groupmates holding
-    different states, by the summaries they sent (:func:`state_summary`); False where a summary is missing or
-    malformed, as it cannot tell."""
-    if not isinstance(gathered, dict) or len(gathered) < 2 or getattr(gathered, "strangers", None):
-        return False
-    if getattr(gathered, "received", 1.0) < 1:
-        return False
-    sent = list(gathered.values())
-    if not all(isinstance(data, dict) and type(data.get("peers")) is int for data in sent):
-        return False
-    states = [data.get("state") for data in sent]
-    if not all(
-        isinstance(s, dict)
-        and isinstance(s.get("exact"), bytes)
-        and isinstance(s.get("norms"), list | tuple)
-        and all(type(x) is float and math.isfinite(x) for x in s["norms"])
-        for s in states
-    ):
-        return False
-    first = states[0]
-    for state in states[1:]:
-        if state["exact"] != first["exact"] or len(state["norms"]) != len(first["norms"]):
-            return True
-        pairs = zip(state["norms"], first["norms"], strict=True)
-        if any(abs(x - y) > rtol * max(abs(x), abs(y)) for x, y in pairs):
-            return True
-    return False
-
-
-def hold_state_rounds_of_parted_groups(opt: Any, on_hold: Any = None) -> None:
-    """Item 39, on a DiLoCo peer's ``hivemind.Optimizer`` wired with :func:`skip_state_rounds_in_agreement`
-    (wrap after it, and after every wrapper that may skip a state round: they keep their say). A gradient
-    round whose groupmates sent different states (:func:`parted`) is followed by a state round in the same
-    epoch, due or not. Every groupmate gathered the same summaries, so all of them hold it, and they end the
-    epoch in one state; groups that differ from round to round then bring the whole swarm to one state.
-    ``on_hold(epoch, group size)`` is told."""
-    average, state_step = opt._average_gradients_and_load_into_optimizer, opt.state_averager.step
-    held: list[int] = []
-
-    def average_noting(control: Any) -> Any:
-        held.clear()
-        try:
-            return average(control)
-        finally:
-            if control is not None and control.done() and not control.cancelled() and not control.exception():
-                gathered = control.result()
-                if parted(gathered):
-                    held.append(len(gathered))
-
-    def step(*args: Any, **kwargs: Any) -> Any:
-        if held and kwargs.get("increment_epoch"):
-            group = held.pop()
-            swarm_not_empty = opt.tracker.global_progress.num_peers > 1
-            if (
-                not kwargs.get("averaging_round")
-                and swarm_not_empty
-                and not opt.state_averager.averaging_in_progress
-            ):
-                kwargs.update(
-                    averaging_round=True,
-                    averaging_control=None,
-                    averaging_opts=dict(timeout=opt.averaging_timeout),
-                )
-                if on_hold is not None:
-                    on_hold(opt.local_epoch + 1, group)
-        return state_step(*args, **kwargs)
-
-    opt._average_gradients_and_load_into_optimizer = average_noting
-    opt.state_averager.step = step
 
 
 def screen_rounds(opt: Any, screen: Any, on_rejected: Any, own_scale: Any = None) -> None:

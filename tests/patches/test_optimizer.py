@@ -478,86 +478,6 @@ def test_a_state_round_is_skipped_only_when_the_whole_group_sent_one_state(dhts,
             averager.shutdown()
 
 
-@pytest.mark.parametrize("held", [False, True], ids=["item 16 alone", "item 39"])
-def test_a_diloco_group_that_sent_different_states_holds_a_state_round_in_that_epoch(dhts, held):
-    """Item 39 on real averagers, as the item 16 test above: A and B each hold the swarm's gradient averager
-    and state averager over a net, as DiLoCo peers (their summaries every round, extra tensors left out), and
-    a state round is due every 4th epoch only. Equal nets: no state round in the first epoch. B's weight moved
-    by 1e-3 (as after a round that B missed, or one whose groupmate died in its middle): with item 16 alone
-    the peers stay apart until the due round; with item 39 both hold a state round in that epoch, each told
-    why. Then a round whose group is not whole (B counts a third peer) but holds one state: no state round,
-    as before. The state steps are recorded with what hivemind.Optimizer would pass, not run."""
-    nodes = dhts(2)
-    torch.manual_seed(0)
-    nets = [torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)]
-    nets[1].load_state_dict(nets[0].state_dict())
-    states = _state_averagers(nodes, nets, f"pytest-rounds-parted-state-{held}")
-    common = dict(
-        prefix=f"pytest-rounds-parted-{held}",
-        min_matchmaking_time=MATCHMAKING,
-        request_timeout=REQUEST_TIMEOUT,
-        start=True,
-    )
-    grads = [
-        grad_averager.keeping_local_gradients(GradientAverager)(list(net.parameters()), dht=node, **common)
-        for net, node in zip(nets, nodes, strict=True)
-    ]
-    steps: list[list[dict]] = [[], []]  # each peer's state steps: their keyword arguments
-    told: list[list[tuple]] = [[], []]
-    opts = []
-    for i in range(2):
-        states[i].step = lambda *args, _i=i, **kwargs: steps[_i].append(kwargs)
-        opt = SimpleNamespace(
-            local_epoch=0,
-            average_state_every=4,
-            averaging_timeout=9.0,
-            grad_averager=grads[i],
-            state_averager=states[i],
-            tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=2)),
-            _average_gradients_and_load_into_optimizer=lambda control: control.result(timeout=MATCHMAKING),
-        )
-        wiring.skip_state_rounds_in_agreement(opt, local_extras=True)
-        if held:
-            wiring.hold_state_rounds_of_parted_groups(opt, lambda *args, _i=i: told[_i].append(args))
-        opts.append(opt)
-
-    def one_round() -> list[bool]:
-        """A gradient round of both, then each one's epoch step as hivemind.Optimizer calls it in an epoch
-        whose state round is not due: whether a state round was held, per peer."""
-        for net, averager, seed in zip(nets, grads, (0, 1), strict=True):
-            _gradients(net, 1.0, seed=seed)
-            averager.accumulate_grads_(batch_size=4)
-        controls = [averager.step(wait=False, timeout=MATCHMAKING + 10) for averager in grads]
-        for opt, control in zip(opts, controls, strict=True):
-            assert len(opt._average_gradients_and_load_into_optimizer(control)) == 2
-        for opt, averager in zip(opts, grads, strict=True):
-            opt.state_averager.step(
-                increment_epoch=True, optimizer_step=True, averaging_round=False, averaging_opts=None
-            )
-            averager.notify_used_averaged_gradients()
-        found = [h.pop() for h in steps]
-        for kwargs in found:
-            if kwargs["averaging_round"]:  # as hivemind passes a due round's
-                assert kwargs["averaging_opts"] == {"timeout": 9.0} and kwargs["averaging_control"] is None
-        return [kwargs["averaging_round"] for kwargs in found]
-
-    try:
-        for averager in grads:
-            matchmaking.set_target_group_size(averager, 2, {})
-        assert one_round() == [False, False]  # one state: nothing to hold
-        with torch.no_grad():
-            nets[1].weight[0, 0] += 1e-3
-        assert one_round() == ([True, True] if held else [False, False])
-        assert told == ([[(1, 2)], [(1, 2)]] if held else [[], []]), told
-        with torch.no_grad():
-            nets[1].weight.copy_(nets[0].weight)
-        opts[1].tracker.global_progress.num_peers = 3
-        assert one_round() == [False, False]
-    finally:
-        for averager in (*grads, *states):
-            averager.shutdown()
-
-
 def test_only_one_well_formed_state_across_a_whole_group_counts_as_agreement():
     """in_agreement (item 16) reads what groupmates sent: norms equal to rounding (1e-6), the same exact
     digest, a group of all the peers any member counts; anything malformed is disagreement."""
@@ -591,19 +511,6 @@ def test_only_one_well_formed_state_across_a_whole_group_counts_as_agreement():
     for junk in malformed:
         assert not wiring.in_agreement({"a": one, "b": junk}), junk
     assert not wiring.in_agreement(allreduce.Gathered.without({"a": one, "b": one, "c": one}, {"c"}))
-    # item 39: parted reads the same summaries, and holds a state round only where they surely differ
-    assert wiring.parted({"a": one, "b": other(exact=b"e" * 16)})
-    assert wiring.parted({"a": one, "b": other(norms=[3.0 * (1 + 2e-6), 1.5, 2.0, 0.0])})
-    assert wiring.parted({"a": one, "b": other(norms=[3.0, 1.5, 2.0])})
-    assert not wiring.parted({"a": one, "b": other(norms=[3.0 * (1 + 5e-7), 1.5, 2.0, 0.0])})
-    assert not wiring.parted({"a": one, "b": {**one, "peers": 3}})  # one state, though not the whole swarm
-    assert not wiring.parted({"a": one})
-    assert not wiring.parted({"a": one, "b": {**one, "state": None}})  # a peer that sent no summary
-    for junk in malformed:
-        assert not wiring.parted({"a": other(exact=b"e" * 16), "b": junk}), junk
-    parted = {"a": one, "b": other(exact=b"e" * 16), "c": one}
-    assert not wiring.parted(allreduce.Gathered.without(parted, {"c"}))  # a stranger: not a whole round
-    assert not wiring.parted(allreduce.Gathered.without(parted, (), received=0.5))  # a partial round
 
 
 @PLAIN_OR_PATCHED

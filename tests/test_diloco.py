@@ -117,7 +117,11 @@ def test_a_diloco_state_round_averages_the_outer_momentum_and_the_peers_agree_af
     (``averaged_statistics`` of the outer SGD), averages the momenta with the anchors: afterwards the two
     hold one momentum and agree, so later state rounds are skipped and their outer steps stay equal. Before,
     the round averaged the anchors alone, the next outer step parted them again, and every epoch needed a
-    state round (a missed one left the peers' anchors apart)."""
+    state round (a missed one left the peers' anchors apart). The extras (the inner moments: here 30,000
+    numbers, against 30 of anchors and momenta) stay each peer's own and out of the round (``own_extras``,
+    item 40): the round sends fewer bytes than there are numbers in one peer's extras."""
+    from swarm.patches import traffic
+
     nodes = dhts(2)
     torch.manual_seed(0)
     nets = [torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)]
@@ -131,7 +135,8 @@ def test_a_diloco_state_round_averages_the_outer_momentum_and_the_peers_agree_af
             prefix="pytest-diloco-momentum-round",
             optimizer=outer,
             average_opt_statistics=averaged_statistics(outer),
-            extra_tensors=[torch.full((3,), float(i))],
+            extra_tensors=[torch.full((30_000,), float(i))],
+            own_extras=True,
             min_matchmaking_time=MATCHMAKING,
             request_timeout=1.5,
             start=True,
@@ -155,6 +160,7 @@ def test_a_diloco_state_round_averages_the_outer_momentum_and_the_peers_agree_af
         done: list = []
         held = dict(averaging_round=True, averaging_opts={"timeout": 60})
         threads = [threading.Thread(target=lambda s=state: done.append(s.step(**held))) for state in states]
+        sent = traffic.bytes_sent("state")
         for t in threads:
             t.start()
         for t in threads:
@@ -164,6 +170,9 @@ def test_a_diloco_state_round_averages_the_outer_momentum_and_the_peers_agree_af
             for p in outer.param_groups[0]["params"]:
                 torch.testing.assert_close(outer.state[p]["momentum_buffer"], torch.full_like(p, 2.0))
         assert agree()
+        for i, state in enumerate(states):
+            torch.testing.assert_close(state.extra_tensors[0], torch.full((30_000,), float(i)))
+        assert 0 < traffic.bytes_sent("state") - sent < 30_000, traffic.bytes_sent("state") - sent
     finally:
         for state in states:
             state.shutdown()

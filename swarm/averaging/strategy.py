@@ -386,6 +386,9 @@ class HivemindStrategy(SingleDeviceStrategy):
         # wrong way round), so a client-mode peer's Optimizer thought itself a full peer and died at its first
         # global epoch ("State sharing priority is unused: averager in client mode cannot share its state")
         optimizer_kwargs.setdefault("client_mode", self.node.client_mode)
+        # DiLoCo's inner moments: each peer's own, out of the state rounds (hivemind-patches.md item 40)
+        own_extras = {"own_extras": True} if self.diloco is not None else {}
+        optimizer_kwargs["averager_opts"] = {**(optimizer_kwargs.get("averager_opts") or {}), **own_extras}
         self.hivemind_opt = hivemind.Optimizer(
             dht=self.node.dht,
             run_id=self.run_id,

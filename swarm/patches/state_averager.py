@@ -56,6 +56,10 @@ member of a state round takes the largest epoch it gathered, whatever its size.
   that holds a state of its own (``holds_own_state``: it took an epoch's step or a download) downloads the
   parameters and the optimizer's statistics alone, and its own extras complete the state before hivemind
   applies it (:meth:`_with_own_extras`).
+- item 40: where the extras are each peer's own (``own_extras``, known when the averager is built, before its
+  process forks), they stay out of the state rounds too: hivemind averages every tensor it shares
+  (optim/state_averager.py:264-272), and DiLoCo's inner moments are two of the four copies of the model that
+  a DiLoCo state round sent. A round leaves each peer its own extras as they are at its end.
 
 :func:`install` makes hivemind.Optimizer build this class (it reads the module-level name
 ``TrainingStateAverager`` of optim/optimizer.py:284). The class keeps hivemind's name: the p2p handlers'
@@ -187,6 +191,7 @@ class _SettledState:
         self: Any,
         *args: Any,
         find_group_within: float | None = None,
+        own_extras: bool = False,
         **kwargs: Any,
     ) -> None:
         self._swarm_settled = threading.Event()  # clear in an epoch's step or applying a download (item 4)
@@ -222,7 +227,8 @@ class _SettledState:
         # item 33: where the extras are each peer's own (DiLoCo's inner moments; the strategy sets it), a peer
         # that holds a state of its own downloads the rest alone; it holds one once it took an epoch's step or
         # a download (the strategy clears it to take a whole state after a fault)
-        self.keeps_own_extras = False
+        # item 40: and stay out of the state rounds (read in the averager process: set before it forks)
+        self.keeps_own_extras = own_extras
         self.holds_own_state = False
         self._swarm_kept: tuple[int, int] | None = None  # averager process: [start, stop) not asked for
         # item 37: time.monotonic() of the last chunk of a download, written in the averager process
@@ -337,8 +343,27 @@ class _SettledState:
                 for tensor, value in zip(sent[:count], bad, strict=True):
                     tensor.copy_(value)
 
+    async def _run_allreduce_inplace_(
+        self: Any, tensors: Any, group_info: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        """hivemind's all-reduce of a state round, without the extras where they are this peer's own (item
+        40): hivemind lists them last (optim/state_averager.py:272), and their buffers keep what
+        ``_load_local_tensors_into_averager_`` put there. Runs in the averager process."""
+        own = len(self.extra_tensors) if self.keeps_own_extras else 0
+        if 0 < own < len(tensors):
+            tensors = list(tensors)[:-own]
+            if kwargs.get("tensor_infos") is not None:
+                kwargs["tensor_infos"] = list(kwargs["tensor_infos"])[: len(tensors)]
+        return await super()._run_allreduce_inplace_(tensors, group_info, *args, **kwargs)
+
     def _apply_averaging_results_(self: Any) -> None:
-        """hivemind's copy of the averaged state into the model, unless the screen rejects it (item 7)."""
+        """hivemind's copy of the averaged state into the model, unless the screen rejects it (item 7).
+        Extras of this peer's own (item 40) are left as they are now: the round did not average them, and an
+        overlapped DiLoCo peer's inner steps changed them since it sent its state."""
+        if self.keeps_own_extras and self.extra_tensors and not self.reuse_tensors:
+            with torch.no_grad(), self.get_tensors() as averaged:
+                for buffer, own in zip(averaged[-len(self.extra_tensors) :], self.extra_tensors, strict=True):
+                    buffer.copy_(own)
         if self.screen is not None:
             with torch.no_grad(), self.get_tensors() as averaged:
                 reason = self.screen.judge_state(list(self._local_tensors()), averaged, _roles(self))
@@ -993,8 +1018,8 @@ def _beneath(averager: type) -> type:
 
 @cache
 def state_averager_class(base: type) -> type:
-    """``base`` (hivemind's TrainingStateAverager) with every change of the module docstring; it takes one
-    more keyword argument, ``find_group_within`` (item 12)."""
+    """``base`` (hivemind's TrainingStateAverager) with every change of the module docstring; it takes two
+    more keyword arguments, ``find_group_within`` (item 12) and ``own_extras`` (item 40)."""
     from typing import AsyncIterator  # noqa: UP035 hivemind reads the stream from typing's alias (servicer.py:154)
 
     from google.protobuf import wrappers_pb2

@@ -119,7 +119,8 @@ def test_a_diloco_state_round_averages_the_outer_momentum_and_the_peers_agree_af
     the round averaged the anchors alone, the next outer step parted them again, and every epoch needed a
     state round (a missed one left the peers' anchors apart). The extras (the inner moments: here 30,000
     numbers, against 30 of anchors and momenta) stay each peer's own and out of the round (``own_extras``,
-    item 40): the round sends fewer bytes than there are numbers in one peer's extras."""
+    item 40): the round sends fewer bytes than there are numbers in one peer's extras, and its result, applied
+    after this peer's extras changed (an overlapped peer's inner steps), leaves them as they are."""
     from swarm.patches import traffic
 
     nodes = dhts(2)
@@ -173,6 +174,13 @@ def test_a_diloco_state_round_averages_the_outer_momentum_and_the_peers_agree_af
         for i, state in enumerate(states):
             torch.testing.assert_close(state.extra_tensors[0], torch.full((30_000,), float(i)))
         assert 0 < traffic.bytes_sent("state") - sent < 30_000, traffic.bytes_sent("state") - sent
+        # inner steps taken while the round ran (an overlapped peer) stay: its result leaves the extras alone
+        with torch.no_grad():
+            states[0].extra_tensors[0].fill_(7.0)
+            nets[0].bias.add_(1.0)
+        states[0]._apply_averaging_results_()
+        torch.testing.assert_close(states[0].extra_tensors[0], torch.full((30_000,), 7.0))
+        torch.testing.assert_close(nets[0].bias, nets[1].bias)  # the round's anchors, as before
     finally:
         for state in states:
             state.shutdown()

@@ -358,19 +358,28 @@ class _SettledState:
 
     def _apply_averaging_results_(self: Any) -> None:
         """hivemind's copy of the averaged state into the model, unless the screen rejects it (item 7).
-        Extras of this peer's own (item 40) are left as they are now: the round did not average them, and an
-        overlapped DiLoCo peer's inner steps changed them since it sent its state."""
-        if self.keeps_own_extras and self.extra_tensors and not self.reuse_tensors:
-            with torch.no_grad(), self.get_tensors() as averaged:
-                for buffer, own in zip(averaged[-len(self.extra_tensors) :], self.extra_tensors, strict=True):
-                    buffer.copy_(own)
+        Extras of this peer's own (item 40) are not copied back (the screen sees them unchanged): the round
+        did not average them, and an overlapped DiLoCo peer's inner steps have changed them since it sent its
+        state."""
+        own = self.keeps_own_extras and bool(self.extra_tensors) and not self.reuse_tensors
+        own = own and not self.delta_rule_averaging
+        shared = len(list(self._local_tensors())) - (len(self.extra_tensors) if own else 0)
         if self.screen is not None:
             with torch.no_grad(), self.get_tensors() as averaged:
-                reason = self.screen.judge_state(list(self._local_tensors()), averaged, _roles(self))
+                # the extras judged as they are (unchanged): their role still tells the screen it is DiLoCo's
+                local = list(self._local_tensors())
+                reason = self.screen.judge_state(local, [*averaged[:shared], *local[shared:]], _roles(self))
             if reason is not None:
                 self.on_rejected("state", reason, 0)
                 return
-        super()._apply_averaging_results_()
+        if not own:
+            super()._apply_averaging_results_()
+            return
+        with torch.no_grad(), self.get_tensors() as averaged:  # hivemind's copy (state_averager.py:612-616)
+            local = list(self._local_tensors())
+            assert len(local) == len(averaged), "Tensor structure changed during training"
+            for mine, got in zip(local[:shared], averaged[:shared], strict=True):
+                mine.copy_(got, non_blocking=True)
 
     def load_state_from_peers(self: Any, **kwargs: Any) -> Any:
         """hivemind's state download, judged (item 7) and, with ``check_download``, checked against the swarm

@@ -159,7 +159,6 @@ def wire(opt: Any, wiring: Wiring) -> Wired:
     opt.state_averager.check_download = wiring.check_download  # item 23
     opt.state_averager.on_refused = wiring.on_refused
     opt.state_averager.download_donors = wiring.download_donors  # item 31
-    opt.state_averager.keeps_own_extras = wiring.diloco  # item 33: DiLoCo's inner moments, each peer's own
     keep = None
     if wiring.members is not None:  # item 26: a record speaks for the PeerID its signer's member record names
         keep = progress.vouched_by(wiring.members, opt.tracker._local_public_key)

@@ -224,10 +224,10 @@ class _SettledState:
         self.unhelpful: dict[str, float] = {}  # base58 -> monotonic time until which it helps no download
         self._swarm_helpers: list[bytes] = []  # item 31, in the averager process: the slices' other donors
         self._swarm_slices: list[tuple[int, int]] = []  # the slices: [start, stop) of the state's tensors
-        # item 33: where the extras are each peer's own (DiLoCo's inner moments; the strategy sets it), a peer
-        # that holds a state of its own downloads the rest alone; it holds one once it took an epoch's step or
-        # a download (the strategy clears it to take a whole state after a fault)
-        # item 40: and stay out of the state rounds (read in the averager process: set before it forks)
+        # item 33: where the extras are each peer's own (DiLoCo's inner moments: ``own_extras``, which the
+        # strategy passes, so it is set before the averager process forks), a peer that holds a state of its
+        # own downloads the rest alone; it holds one once it took an epoch's step or a download (the strategy
+        # clears it to take a whole state after a fault). Item 40: the extras also stay out of state rounds
         self.keeps_own_extras = own_extras
         self.holds_own_state = False
         self._swarm_kept: tuple[int, int] | None = None  # averager process: [start, stop) not asked for
@@ -349,7 +349,7 @@ class _SettledState:
         """hivemind's all-reduce of a state round, without the extras where they are this peer's own (item
         40): hivemind lists them last (optim/state_averager.py:272), and their buffers keep what
         ``_load_local_tensors_into_averager_`` put there. Runs in the averager process."""
-        own = len(self.extra_tensors) if self.keeps_own_extras else 0
+        own = self._own_extras()
         if 0 < own < len(tensors):
             tensors = list(tensors)[:-own]
             if kwargs.get("tensor_infos") is not None:
@@ -361,13 +361,12 @@ class _SettledState:
         Extras of this peer's own (item 40) are not copied back (the screen sees them unchanged): the round
         did not average them, and an overlapped DiLoCo peer's inner steps have changed them since it sent its
         state."""
-        own = self.keeps_own_extras and bool(self.extra_tensors) and not self.reuse_tensors
-        own = own and not self.delta_rule_averaging
-        shared = len(list(self._local_tensors())) - (len(self.extra_tensors) if own else 0)
+        own = 0 if self.delta_rule_averaging else self._own_extras()
+        local = list(self._local_tensors())
+        shared = len(local) - own
         if self.screen is not None:
             with torch.no_grad(), self.get_tensors() as averaged:
                 # the extras judged as they are (unchanged): their role still tells the screen it is DiLoCo's
-                local = list(self._local_tensors())
                 reason = self.screen.judge_state(local, [*averaged[:shared], *local[shared:]], _roles(self))
             if reason is not None:
                 self.on_rejected("state", reason, 0)
@@ -376,10 +375,13 @@ class _SettledState:
             super()._apply_averaging_results_()
             return
         with torch.no_grad(), self.get_tensors() as averaged:  # hivemind's copy (state_averager.py:612-616)
-            local = list(self._local_tensors())
             assert len(local) == len(averaged), "Tensor structure changed during training"
             for mine, got in zip(local[:shared], averaged[:shared], strict=True):
                 mine.copy_(got, non_blocking=True)
+
+    def _own_extras(self: Any) -> int:
+        """Item 40: how many of the last tensors a state round leaves out (this peer's own extras), or 0."""
+        return len(self.extra_tensors) if self.keeps_own_extras else 0
 
     def load_state_from_peers(self: Any, **kwargs: Any) -> Any:
         """hivemind's state download, judged (item 7) and, with ``check_download``, checked against the swarm
